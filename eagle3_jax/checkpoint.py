@@ -1,0 +1,226 @@
+"""Checkpoint I/O: Hugging Face safetensors targets, official / SpecForge / vLLM
+EAGLE-3 drafters (``pytorch_model.bin`` read without torch, or safetensors), and
+drafter export in the official format.
+
+Tensors are read one at a time straight onto the device (or the sharding given);
+PyTorch ``Linear`` weights ``[out, in]`` become Flax ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+
+from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype, default: str = "float32"):
+    name = dtype if isinstance(dtype, str) else None
+    if dtype is None:
+        name = default
+    if name is not None:
+        if name not in DTYPES:
+            raise ValueError(f"dtype={name!r}: expected one of {sorted(DTYPES)}")
+        return DTYPES[name]
+    return jnp.dtype(dtype).type
+
+
+# --------------------------------------------------------------------------- sources
+class SafetensorsSource:
+    """Tensor-by-tensor reader over ``model.safetensors`` or an indexed shard set."""
+
+    def __init__(self, directory: Path, prefix: str = "model"):
+        self.directory = directory
+        index = directory / f"{prefix}.safetensors.index.json"
+        single = directory / f"{prefix}.safetensors"
+        if index.exists():
+            try:
+                self.weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: malformed safetensors index ({e!r})") from None
+        elif single.exists():
+            self.weight_map = {name: single.name for name in self._open(single).keys()}
+        else:
+            raise FileNotFoundError(f"{directory}: no {single.name} or {index.name}")
+
+    def _open(self, file: Path):
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+        try:
+            return safe_open(str(file), framework="flax")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+
+    def names(self):
+        return self.weight_map.keys()
+
+    def get(self, name: str) -> jax.Array:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+        file = self.directory / self.weight_map[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
+
+
+class TorchPickleSource:
+    """Reads a ``torch.save`` zip checkpoint (``pytorch_model.bin``) *without torch*.
+
+    The unpickler only rebuilds plain tensors and ordered dicts; any other global in
+    the pickle is refused, so a malicious file cannot run code.
+    """
+
+    _STORAGE_DTYPES = {
+        "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+        "BFloat16Storage": "bfloat16", "LongStorage": np.int64, "IntStorage": np.int32,
+        "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    }
+
+    def __init__(self, file: Path):
+        self.file = file
+        try:
+            with zipfile.ZipFile(file) as zf:
+                pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                if pkl is None:
+                    raise ValueError(f"{file}: not a torch zip checkpoint (no data.pkl)")
+                root = pkl[: -len("data.pkl")]
+                blobs = {n[len(root) + len("data/"):]: zf.read(n) for n in zf.namelist() if n.startswith(root + "data/")}
+                self.tensors = self._unpickle(zf.read(pkl), blobs)
+        except zipfile.BadZipFile:
+            raise ValueError(f"{file}: corrupt or legacy (non-zip) torch checkpoint") from None
+        if not isinstance(self.tensors, dict):
+            raise ValueError(f"{file}: expected a state dict, got {type(self.tensors).__name__}")
+
+    def _unpickle(self, data: bytes, blobs: dict[str, bytes]):
+        file, dtypes = self.file, self._STORAGE_DTYPES
+
+        def rebuild_tensor(storage, offset, size, stride, *_):
+            itemsize = storage.dtype.itemsize
+            return np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
+                                                   strides=tuple(s * itemsize for s in stride)).copy()
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if (module, name) in {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")}:
+                    return rebuild_tensor
+                if module == "torch._utils" and name == "_rebuild_parameter":
+                    return lambda tensor, *_: tensor
+                if module == "collections" and name == "OrderedDict":
+                    import collections
+
+                    return collections.OrderedDict
+                if module == "torch" and name in dtypes:
+                    return name
+                raise pickle.UnpicklingError(f"{file}: refusing to load global {module}.{name}")
+
+            def persistent_load(self, pid):
+                _, storage_type, key, _location, _numel = pid
+                dtype = dtypes.get(storage_type if isinstance(storage_type, str) else "")
+                if dtype is None:
+                    raise pickle.UnpicklingError(f"{file}: unsupported storage {storage_type!r}")
+                if dtype == "bfloat16":
+                    dtype = jnp.bfloat16
+                return np.frombuffer(blobs[str(key)], dtype=dtype)
+
+        import io
+
+        return Unpickler(io.BytesIO(data)).load()
+
+    def names(self):
+        return self.tensors.keys()
+
+    def get(self, name: str) -> jax.Array:
+        if name not in self.tensors:
+            raise KeyError(f"{self.file}: tensor {name!r} is missing from the checkpoint")
+        return jnp.asarray(self.tensors[name])
+
+
+def open_weights(directory: Path):
+    """The weight source of a checkpoint directory (safetensors first, then pytorch_model.bin)."""
+    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+        return SafetensorsSource(directory)
+    if (directory / "pytorch_model.bin").exists():
+        return TorchPickleSource(directory / "pytorch_model.bin")
+    raise FileNotFoundError(f"{directory}: no model.safetensors(.index.json) or pytorch_model.bin")
+
+
+def _fetch(source, name: str, shape, transpose: bool, dtype, sharding=None):
+    arr = source.get(name)
+    if transpose:
+        arr = arr.T
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r}: expected shape {tuple(shape)} (after [out,in]→[in,out]), got {tuple(arr.shape)}")
+    arr = arr.astype(dtype)
+    return jax.device_put(arr, sharding) if sharding is not None else arr
+
+
+# --------------------------------------------------------------------------- target
+_TARGET_LAYER_NAMES = {
+    "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False), "bo": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
+    "attn_norm": ("input_layernorm.weight", False), "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True), "b_gate": ("mlp.gate_proj.bias", False),
+    "b_up": ("mlp.up_proj.bias", False), "b_down": ("mlp.down_proj.bias", False),
+}
+_TARGET_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False),
+                     "lm_head": ("lm_head.weight", True)}
+
+
+def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = "xla",
+                shardings: dict[str, jax.sharding.Sharding] | None = None):
+    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint directory.
+
+    Args:
+      path: directory with ``config.json`` and ``model.safetensors`` (or shards with
+        ``model.safetensors.index.json``).
+      dtype: ``"float32"`` / ``"bfloat16"`` / a jnp dtype; default: the checkpoint's.
+      capture_layers: three decoder-layer ids whose *inputs* form the EAGLE-3
+        features; default ``(2, L//2, L-3)``.
+      attention_impl: ``"xla"`` or ``"pallas"`` (tree-attention kernel).
+      shardings: optional per-parameter shardings (see ``eagle3_jax.sharding``).
+
+    Returns:
+      A :class:`~eagle3_jax.models.target.Target`.
+    """
+    from eagle3_jax.models.target import Target, param_shapes
+
+    path = Path(path)
+    raw = read_config_json(path)
+    cfg = TargetConfig.from_dict(raw, source=str(path / "config.json"), capture_layers=capture_layers)
+    dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    source = open_weights(path)
+    model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
+    shardings = shardings or {}
+    for name, shape in param_shapes(cfg).items():
+        if shape is None:
+            continue
+        if name in _TARGET_TOP_NAMES:
+            hf, transpose = _TARGET_TOP_NAMES[name]
+            value = _fetch(source, hf, shape, transpose, dtype, shardings.get(name))
+        else:
+            hf, transpose = _TARGET_LAYER_NAMES[name]
+            per_layer = [_fetch(source, f"model.layers.{i}.{hf}", shape[1:], transpose, dtype)
+                         for i in range(cfg.num_layers)]
+            value = jnp.stack(per_layer)
+            del per_layer
+            if name in shardings:
+                value = jax.device_put(value, shardings[name])
+        getattr(model, name).set_value(value)
+    model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    return model

@@ -1,0 +1,177 @@
+"""The target model: a Llama-family decoder in Flax NNX that returns logits and the
+fused EAGLE-3 features ``[low | mid | high]`` (inputs of the three captured layers).
+
+Decoder layers are stored stacked (leading axis = layer) and run under ``lax.scan``;
+the captured layer inputs are picked up inside the scan, so no per-layer hidden
+stack is materialised.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax import layers
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.kv_cache import KVCache, init_cache
+
+# Flax-layout parameter shapes (stacked layers first) — used for init, loading and sharding.
+LAYER_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
+                "attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+def param_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...] | None]:
+    """Every parameter's shape, ``None`` for parameters this family does not have."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    NQ, NK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    opt = lambda flag, shape: shape if flag else None
+    return {
+        "embed": (V, H),
+        "wq": (L, H, NQ), "wk": (L, H, NK), "wv": (L, H, NK), "wo": (L, NQ, H),
+        "bq": opt(cfg.qkv_bias, (L, NQ)), "bk": opt(cfg.qkv_bias, (L, NK)), "bv": opt(cfg.qkv_bias, (L, NK)),
+        "bo": opt(cfg.o_bias, (L, H)),
+        "q_norm": opt(cfg.qk_norm, (L, cfg.head_dim)), "k_norm": opt(cfg.qk_norm, (L, cfg.head_dim)),
+        "attn_norm": (L, H), "mlp_norm": (L, H),
+        "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+        "b_gate": opt(cfg.mlp_bias, (L, I)), "b_up": opt(cfg.mlp_bias, (L, I)), "b_down": opt(cfg.mlp_bias, (L, H)),
+        "norm": (H,),
+        "lm_head": None if cfg.tie_word_embeddings else (H, V),
+    }
+
+
+class Target(nnx.Module):
+    """A Hugging Face Llama/Mistral/Qwen2/Qwen3 causal LM with EAGLE-3 feature capture.
+
+    Build it with :func:`eagle3_jax.load_target`; ``Target(cfg, rngs=...)`` gives a
+    randomly initialised model (tests, tiny experiments).
+    """
+
+    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 attention_impl: str = "xla"):
+        self.config = cfg
+        self.dtype = dtype
+        self.attention_impl = attention_impl
+        self.inv_freq = nnx.Variable(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+        rngs = rngs or nnx.Rngs(0)
+        for name, shape in param_shapes(cfg).items():
+            if shape is None:
+                setattr(self, name, None)
+            elif name.endswith("norm"):
+                setattr(self, name, nnx.Param(jnp.ones(shape, dtype)))
+            elif name.startswith("b"):
+                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
+            else:
+                setattr(self, name, nnx.Param((0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)))
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
+        """Runs ``T`` new tokens.
+
+        Without a cache: plain causal forward over the tokens.  With a cache: the new
+        keys/values are written at ``cache.lengths`` (not committed), the committed
+        prefix is visible, and ``region_mask[b, t, j]`` says whether query ``t`` sees
+        new token ``j`` (causal for prefill/decode, the tree mask for verification).
+
+        Returns ``(logits_BxTxV float32, features_BxTx3H, cache)``.
+        """
+        cfg = self.config
+        B, T = tokens_BxT.shape
+        if region_mask_BxTxR is None:
+            region_mask_BxTxR = layers.causal_mask(B, T)
+        prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+        num_slots = T if cache is None else cache.max_len
+        visible = layers.visibility(prefix, region_mask_BxTxR, num_slots)
+        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
+
+        h = self.embed[...][tokens_BxT].astype(self.dtype)
+        stacked = {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+        capture = jnp.asarray(cfg.capture_layers)
+        feats = jnp.zeros((3, B, T, cfg.hidden_size), self.dtype)
+        kv = (cache.k, cache.v) if cache is not None else None
+
+        def layer(carry, xs):
+            h, feats, kv = carry
+            i, p = xs
+            feats = jnp.where((capture == i)[:, None, None, None], h[None], feats)
+            a, kv = self._attention(p, layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), cos, sin,
+                                    visible, kv, i, prefix)
+            h = h + a
+            x = layers.rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
+            h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
+            return (h, feats, kv), None
+
+        (h, feats, kv), _ = jax.lax.scan(layer, (h, feats, kv), (jnp.arange(cfg.num_layers), stacked))
+        h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
+        features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
+        if cache is not None:
+            cache = KVCache(kv[0], kv[1], cache.lengths)
+        return logits, features, cache
+
+    def _attention(self, p, x, cos, sin, visible, kv, layer_idx, prefix):
+        cfg = self.config
+        B, T, _ = x.shape
+        q = (x @ p["wq"] + p.get("bq", 0)).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = (x @ p["wk"] + p.get("bk", 0)).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = (x @ p["wv"] + p.get("bv", 0)).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        if kv is not None:
+            ck, cv = kv
+            ck = ck.at[layer_idx].set(layers.write_kv(ck[layer_idx], k, prefix))
+            cv = cv.at[layer_idx].set(layers.write_kv(cv[layer_idx], v, prefix))
+            kv = (ck, cv)
+            k, v = ck[layer_idx], cv[layer_idx]
+        out = attend(q, k, v, visible, self.attention_impl, cfg.head_dim ** -0.5)
+        return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv
+
+    # ------------------------------------------------------------------ helpers
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache with room for ``max_len`` tokens per sequence."""
+        cfg = self.config
+        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+            raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
+                             "sliding-window attention is not implemented")
+        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def features(self, input_ids):
+        """Full causal forward over ``input_ids`` ``[T]`` or ``[B, T]``.
+
+        Returns ``(logits, features)``: float32 logits ``[..., T, V]`` and the fused
+        EAGLE-3 features ``[..., T, 3H]`` (inputs of the captured layers, low first).
+        """
+        ids = np.asarray(input_ids)
+        squeeze = ids.ndim == 1
+        ids = ids[None] if squeeze else ids
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids: expected [T] or [B, T], got shape {ids.shape}")
+        check_token_ids(ids, self.config.vocab_size, "input_ids")
+        logits, feats = _features_jit(*nnx.split(self), jnp.asarray(ids, jnp.int32))
+        return (logits[0], feats[0]) if squeeze else (logits, feats)
+
+
+def attend(q, k, v, visible, impl: str, scale: float):
+    """Dispatches attention to the XLA path or the Pallas tree-attention kernel."""
+    if impl == "xla":
+        return layers.attention_xla(q, k, v, visible, scale)
+    raise ValueError(f"attention_impl={impl!r}: expected 'xla' or 'pallas'")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _features_jit(graphdef, state, ids_BxT):
+    model = nnx.merge(graphdef, state)
+    pos = jnp.broadcast_to(jnp.arange(ids_BxT.shape[1]), ids_BxT.shape)
+    logits, feats, _ = model(ids_BxT, pos)
+    return logits, feats
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, name: str):
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got range [{ids.min()}, {ids.max()}]")
