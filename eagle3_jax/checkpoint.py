@@ -224,3 +224,142 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
         getattr(model, name).set_value(value)
     model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
     return model
+
+
+# --------------------------------------------------------------------------- drafter
+# Our name -> (official state-dict name, transpose)
+_DRAFTER_NAMES = {
+    "fc": ("fc.weight", True),
+    "hidden_norm": ("midlayer.hidden_norm.weight", False),
+    "input_norm": ("midlayer.input_layernorm.weight", False),
+    "post_norm": ("midlayer.post_attention_layernorm.weight", False),
+    "wq": ("midlayer.self_attn.q_proj.weight", True), "wk": ("midlayer.self_attn.k_proj.weight", True),
+    "wv": ("midlayer.self_attn.v_proj.weight", True), "wo": ("midlayer.self_attn.o_proj.weight", True),
+    "w_gate": ("midlayer.mlp.gate_proj.weight", True), "w_up": ("midlayer.mlp.up_proj.weight", True),
+    "w_down": ("midlayer.mlp.down_proj.weight", True),
+    "norm": ("norm.weight", False), "lm_head": ("lm_head.weight", True),
+}
+
+
+def is_drafter_config(raw: dict) -> bool:
+    archs = raw.get("architectures") or []
+    return "draft_vocab_size" in raw or any("Eagle" in a for a in archs)
+
+
+class _Renamed:
+    """Accepts exports that prefix names with ``model.`` or call the layer ``layers.0``."""
+
+    def __init__(self, source):
+        self.source = source
+        self.alias = {}
+        for name in source.names():
+            canon = name[len("model."):] if name.startswith("model.") else name
+            canon = canon.replace("layers.0.", "midlayer.", 1) if canon.startswith("layers.0.") else canon
+            self.alias[canon] = name
+
+    def names(self):
+        return self.alias.keys()
+
+    def get(self, name):
+        if name not in self.alias:
+            return self.source.get(name)  # raises the source's "missing tensor" error
+        return self.source.get(self.alias[name])
+
+
+def load_drafter(path, *, target=None, embed=None, dtype=None, attention_impl: str = "xla"):
+    """Loads an EAGLE-3 drafter checkpoint directory.
+
+    Reads the official release layout (``config.json`` + ``pytorch_model.bin``, read
+    without torch) and safetensors exports (SpecForge / SGLang / vLLM
+    ``LlamaForCausalLMEagle3``).  The drafter shares ``target``'s embedding (frozen)
+    unless the checkpoint carries ``embed_tokens.weight``; pass ``embed`` instead of a
+    target to give the table directly.  The pair is validated: hidden sizes, vocab
+    size, ``d2t`` range and ``t2d`` consistency, captured-layer ids.
+    """
+    from eagle3_jax.models.drafter import Drafter, param_shapes
+
+    path = Path(path)
+    raw = read_config_json(path)
+    cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
+    source = _Renamed(open_weights(path))
+    dtype = resolve_dtype(dtype, "float32" if target is None else jnp.dtype(target.dtype).name)
+    if target is not None:
+        _check_pair(cfg, target.config, path)
+    own = "embed_tokens.weight" in source.names()
+    if own:
+        embed = _fetch(source, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), False, dtype)
+    elif target is not None:
+        embed = target.embed[...]
+    elif embed is None:
+        raise ValueError(f"{path}: the checkpoint has no embed_tokens.weight; pass target= (or embed=) to share the target's")
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"{path}: embedding shape {tuple(embed.shape)} does not match the drafter's "
+                         f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
+
+    d2t = None
+    if cfg.has_vocab_map:
+        d2t = np.asarray(source.get("d2t")).astype(np.int64)
+        _check_vocab_map(d2t, np.asarray(source.get("t2d")) if "t2d" in source.names() else None, cfg, path)
+    model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros((cfg.vocab_size, cfg.hidden_size)), dtype=dtype))
+    for name, shape in param_shapes(cfg).items():
+        hf, transpose = _DRAFTER_NAMES[name]
+        getattr(model, name).set_value(_fetch(source, hf, shape, transpose, dtype))
+    model.embed.set_value(jnp.asarray(embed, dtype))
+    model.d2t.set_value(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32))
+    model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    model.own_embedding = own
+    model.attention_impl = attention_impl
+    return model
+
+
+def _check_pair(cfg: DrafterConfig, tcfg: TargetConfig, path: Path):
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(f"{path}: drafter expects target hidden size {cfg.target_hidden_size} "
+                         f"(fc takes {3 * cfg.target_hidden_size}), the target has {tcfg.hidden_size}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"{path}: drafter vocab_size {cfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
+    if cfg.capture_layers is not None and tuple(cfg.capture_layers) != tuple(tcfg.capture_layers):
+        raise ValueError(f"{path}: drafter was trained on target layers {list(cfg.capture_layers)}, the target "
+                         f"captures {list(tcfg.capture_layers)}; load it with load_target(..., "
+                         f"capture_layers={list(cfg.capture_layers)})")
+
+
+def _check_vocab_map(d2t: np.ndarray, t2d, cfg: DrafterConfig, path: Path):
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"{path}: tensor 'd2t' has shape {d2t.shape}, expected ({cfg.draft_vocab_size},)")
+    target_ids = np.arange(cfg.draft_vocab_size) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size or np.any(np.diff(target_ids) <= 0):
+        raise ValueError(f"{path}: tensor 'd2t' maps draft ids outside [0, {cfg.vocab_size}) or not strictly increasing")
+    if t2d is not None:
+        if t2d.shape != (cfg.vocab_size,) or not np.array_equal(np.flatnonzero(t2d), target_ids):
+            raise ValueError(f"{path}: tensor 't2d' disagrees with 'd2t' (it must mark exactly the mapped target ids)")
+
+
+def save_drafter(drafter, path) -> Path:
+    """Writes ``config.json`` + ``model.safetensors`` in the official EAGLE-3 layout
+    (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` as PyTorch
+    ``[out, in]`` float32, ``d2t`` int64, ``t2d`` bool), loadable by SGLang and vLLM.
+    ``embed_tokens.weight`` is written only when the drafter owns its embedding.
+    """
+    from safetensors.numpy import save_file
+
+    from eagle3_jax.models.drafter import param_shapes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config
+    tensors = {}
+    for name in param_shapes(cfg):
+        hf, transpose = _DRAFTER_NAMES[name]
+        arr = np.asarray(getattr(drafter, name)[...].astype(jnp.float32))
+        tensors[hf] = np.ascontiguousarray(arr.T if transpose else arr)
+    if cfg.has_vocab_map:
+        tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)
+        tensors["t2d"] = np.asarray(drafter.t2d)
+    if drafter.own_embedding:
+        tensors["embed_tokens.weight"] = np.asarray(drafter.embed[...].astype(jnp.float32))
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")  # atomic: never a half-written checkpoint
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return path

@@ -71,11 +71,40 @@ def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
     return out.reshape(B, T, N, D)
 
 
-def write_kv(cache_BxSxKxD, new_BxTxKxD, write_at_B):
-    """Writes ``T`` new rows per sequence at slots ``write_at[b] + [0, T)``."""
+def attend(q, k, v, visible, scale: float, impl: str = "xla"):
+    """Dispatches attention to the XLA path or the Pallas tree-attention kernel."""
+    if impl == "xla":
+        return attention_xla(q, k, v, visible, scale)
+    raise ValueError(f"attention_impl={impl!r}: expected 'xla' or 'pallas'")
+
+
+def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *, num_heads: int,
+                   num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla"):
+    """Projections (+ optional biases and q/k norms), RoPE, cache write and attention.
+
+    ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache, written only at the new
+    rows of ``layer``, or ``None`` (attend to the new tokens only).
+    Returns ``(out_BxTxH, kv)``.
+    """
+    B, T, _ = x_BxTxE.shape
+    q = (x_BxTxE @ p["wq"] + p.get("bq", 0)).reshape(B, T, num_heads, head_dim)
+    k = (x_BxTxE @ p["wk"] + p.get("bk", 0)).reshape(B, T, num_kv_heads, head_dim)
+    v = (x_BxTxE @ p["wv"] + p.get("bv", 0)).reshape(B, T, num_kv_heads, head_dim)
+    if "q_norm" in p:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv is not None:
+        kv = (write_kv(kv[0], k, layer, write_at_B), write_kv(kv[1], v, layer, write_at_B))
+        k, v = kv[0][layer], kv[1][layer]
+    out = attend(q, k, v, visible_BxTxS, head_dim ** -0.5, impl)
+    return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv
+
+
+def write_kv(cache_LxBxSxKxD, new_BxTxKxD, layer, write_at_B):
+    """Writes ``T`` new rows per sequence at ``[layer, b, write_at[b] + [0, T)]``."""
     B, T = new_BxTxKxD.shape[:2]
     slots_BxT = write_at_B[:, None] + jnp.arange(T)[None, :]
-    return cache_BxSxKxD.at[jnp.arange(B)[:, None], slots_BxT].set(new_BxTxKxD.astype(cache_BxSxKxD.dtype))
+    return cache_LxBxSxKxD.at[layer, jnp.arange(B)[:, None], slots_BxT].set(new_BxTxKxD.astype(cache_LxBxSxKxD.dtype))
 
 
 def causal_mask(batch: int, length: int):

@@ -17,7 +17,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.kv_cache import KVCache, init_cache
+from eagle3_jax.kv_cache import KVCache, advance, init_cache
 
 # Flax-layout parameter shapes (stacked layers first) — used for init, loading and sharding.
 LAYER_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
@@ -97,8 +97,10 @@ class Target(nnx.Module):
             h, feats, kv = carry
             i, p = xs
             feats = jnp.where((capture == i)[:, None, None, None], h[None], feats)
-            a, kv = self._attention(p, layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps), cos, sin,
-                                    visible, kv, i, prefix)
+            x = layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
+            a, kv = layers.self_attention(
+                p, x, cos, sin, visible, kv, i, prefix, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl)
             h = h + a
             x = layers.rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
             h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
@@ -113,25 +115,6 @@ class Target(nnx.Module):
             cache = KVCache(kv[0], kv[1], cache.lengths)
         return logits, features, cache
 
-    def _attention(self, p, x, cos, sin, visible, kv, layer_idx, prefix):
-        cfg = self.config
-        B, T, _ = x.shape
-        q = (x @ p["wq"] + p.get("bq", 0)).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = (x @ p["wk"] + p.get("bk", 0)).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = (x @ p["wv"] + p.get("bv", 0)).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        if kv is not None:
-            ck, cv = kv
-            ck = ck.at[layer_idx].set(layers.write_kv(ck[layer_idx], k, prefix))
-            cv = cv.at[layer_idx].set(layers.write_kv(cv[layer_idx], v, prefix))
-            kv = (ck, cv)
-            k, v = ck[layer_idx], cv[layer_idx]
-        out = attend(q, k, v, visible, self.attention_impl, cfg.head_dim ** -0.5)
-        return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv
-
     # ------------------------------------------------------------------ helpers
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache with room for ``max_len`` tokens per sequence."""
@@ -140,6 +123,44 @@ class Target(nnx.Module):
             raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
                              "sliding-window attention is not implemented")
         return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def prefill(self, tokens_BxT, lengths_B, max_len: int):
+        """Runs right-padded prompts into a fresh cache of ``max_len`` slots.
+
+        Returns ``(logits_BxTxV, features_BxTx3H, cache)`` with ``cache.lengths = lengths``.
+        """
+        tokens = np.asarray(tokens_BxT)
+        lengths = np.asarray(lengths_B)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens: expected [B, T], got shape {tokens.shape}")
+        if lengths.shape != tokens.shape[:1]:
+            raise ValueError(f"lengths: expected shape ({tokens.shape[0]},) to match tokens' batch, got {lengths.shape}")
+        if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+            raise ValueError(f"lengths: each must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
+        if tokens.shape[1] > max_len:
+            raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit a cache of max_len={max_len}")
+        check_token_ids(tokens, self.config.vocab_size, "tokens")
+        cache = self.init_cache(tokens.shape[0], max_len)
+        return _prefill_jit(*nnx.split(self), cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+    def decode_step(self, cache: KVCache, tokens_B):
+        """Appends one token per sequence (position = current length); returns ``(logits_BxV, features_Bx3H, cache)``."""
+        tokens = jnp.asarray(tokens_B, jnp.int32)
+        if tokens.shape != (cache.batch,):
+            raise ValueError(f"tokens: expected shape ({cache.batch},), got {tokens.shape}")
+        return _decode_jit(*nnx.split(self), cache, tokens)
+
+    def tree_forward(self, cache: KVCache, tokens_BxN, depth_BxN, tree_mask_BxNxN):
+        """Runs a draft tree at positions ``lengths + depth`` under ``tree_mask`` (not committed).
+
+        The new slots hold the tree's keys/values; :func:`eagle3_jax.kv_cache.commit`
+        keeps the accepted ones.  Returns ``(logits_BxNxV, features_BxNx3H, cache)``.
+        """
+        tokens = jnp.asarray(tokens_BxN, jnp.int32)
+        if tokens.shape[0] != cache.batch or depth_BxN.shape != tokens.shape or tree_mask_BxNxN.shape != tokens.shape + tokens.shape[-1:]:
+            raise ValueError(f"tree_forward: tokens {tokens.shape}, depth {depth_BxN.shape} and mask "
+                             f"{tree_mask_BxNxN.shape} must be [B, N], [B, N], [B, N, N] with B={cache.batch}")
+        return _tree_jit(*nnx.split(self), cache, tokens, jnp.asarray(depth_BxN, jnp.int32), jnp.asarray(tree_mask_BxNxN, bool))
 
     def features(self, input_ids):
         """Full causal forward over ``input_ids`` ``[T]`` or ``[B, T]``.
@@ -157,19 +178,31 @@ class Target(nnx.Module):
         return (logits[0], feats[0]) if squeeze else (logits, feats)
 
 
-def attend(q, k, v, visible, impl: str, scale: float):
-    """Dispatches attention to the XLA path or the Pallas tree-attention kernel."""
-    if impl == "xla":
-        return layers.attention_xla(q, k, v, visible, scale)
-    raise ValueError(f"attention_impl={impl!r}: expected 'xla' or 'pallas'")
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def _features_jit(graphdef, state, ids_BxT):
     model = nnx.merge(graphdef, state)
     pos = jnp.broadcast_to(jnp.arange(ids_BxT.shape[1]), ids_BxT.shape)
     logits, feats, _ = model(ids_BxT, pos)
     return logits, feats
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _prefill_jit(graphdef, state, cache, tokens_BxT, lengths_B):
+    pos = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+    logits, feats, cache = nnx.merge(graphdef, state)(tokens_BxT, pos, cache=cache)
+    return logits, feats, advance(cache, lengths_B)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode_jit(graphdef, state, cache, tokens_B):
+    logits, feats, cache = nnx.merge(graphdef, state)(tokens_B[:, None], cache.lengths[:, None], cache=cache)
+    return logits[:, 0], feats[:, 0], advance(cache, jnp.ones_like(cache.lengths))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _tree_jit(graphdef, state, cache, tokens_BxN, depth_BxN, mask_BxNxN):
+    pos = cache.lengths[:, None] + depth_BxN
+    return nnx.merge(graphdef, state)(tokens_BxN, pos, cache=cache, region_mask_BxTxR=mask_BxNxN)
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, name: str):

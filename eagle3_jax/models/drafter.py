@@ -1,0 +1,117 @@
+"""The EAGLE-3 drafter: ``fc`` fusion of the target's three features, then one
+decoder layer whose attention input is ``[input_layernorm(embed) ; hidden_norm(h)]``
+(embedding first), with the residual taken from the un-normed ``h``.
+
+Step 0 of a draft feeds fused target features (width ``3·H_target``, through ``fc``);
+later steps feed the drafter's own pre-norm output (width ``H``, no ``fc``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3_jax import layers
+from eagle3_jax.config import DrafterConfig
+from eagle3_jax.kv_cache import KVCache, init_cache
+
+ATTN_PARAMS = ("wq", "wk", "wv", "wo")
+MLP_PARAMS = ("w_gate", "w_up", "w_down")
+
+
+class Frozen(nnx.Variable):
+    """Arrays the drafter uses but never trains: the shared embedding and the vocab map."""
+
+
+def param_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    NQ, NK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "fc": (3 * cfg.target_hidden_size, H),
+        "hidden_norm": (H,), "input_norm": (H,), "post_norm": (H,),
+        "wq": (2 * H, NQ), "wk": (2 * H, NK), "wv": (2 * H, NK), "wo": (NQ, H),
+        "w_gate": (H, I), "w_up": (H, I), "w_down": (I, H),
+        "norm": (H,), "lm_head": (H, cfg.draft_vocab_size),
+    }
+
+
+class Drafter(nnx.Module):
+    """EAGLE-3 draft head.  ``embed`` is the target's (frozen) embedding table unless
+    the checkpoint carried its own (``own_embedding``)."""
+
+    def __init__(self, cfg: DrafterConfig, embed_VxH, *, d2t=None, own_embedding: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs | None = None, attention_impl: str = "xla"):
+        self.config = cfg
+        self.dtype = dtype
+        self.own_embedding = own_embedding
+        self.attention_impl = attention_impl
+        rngs = rngs or nnx.Rngs(0)
+        for name, shape in param_shapes(cfg).items():
+            if name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
+            else:
+                value = (jax.random.normal(rngs.params(), shape) / jnp.sqrt(shape[0])).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+        self.embed = Frozen(jnp.asarray(embed_VxH, dtype))
+        d2t = jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
+        self.d2t = Frozen(d2t)
+        self.inv_freq = Frozen(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+
+    def __call__(self, hidden_BxTxF, tokens_BxT, positions_BxT, *, cache: KVCache | None = None,
+                 region_mask_BxTxR=None, write_offset=0):
+        """One drafter step over ``T`` tokens; returns ``(out_hidden_BxTxH pre-norm, cache)``.
+
+        Attention follows :func:`eagle3_jax.layers.visibility`: the committed drafter
+        context is visible, and the region mask covers the slots right after it.  New
+        keys are written at ``cache.lengths + write_offset`` (draft-tree expansions
+        stack their beams there; the committed length is not advanced).
+        """
+        cfg = self.config
+        B, T = tokens_BxT.shape
+        h = hidden_BxTxF.astype(self.dtype)
+        if h.shape[-1] == 3 * cfg.target_hidden_size and h.shape[-1] != cfg.hidden_size:
+            h = h @ self.fc[...]
+        elif h.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"drafter hidden input: width {h.shape[-1]} is neither 3*target_hidden "
+                             f"({3 * cfg.target_hidden_size}) nor hidden ({cfg.hidden_size})")
+        if region_mask_BxTxR is None:
+            region_mask_BxTxR = layers.causal_mask(B, T)
+        prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+        visible = layers.visibility(prefix, region_mask_BxTxR, T if cache is None else cache.max_len)
+        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
+
+        e = self.embed[...][tokens_BxT]
+        x = jnp.concatenate([layers.rms_norm(e, self.input_norm[...], cfg.rms_norm_eps),
+                             layers.rms_norm(h, self.hidden_norm[...], cfg.rms_norm_eps)], axis=-1)
+        p = {n: getattr(self, n)[...] for n in ATTN_PARAMS}
+        kv = None if cache is None else (cache.k, cache.v)
+        a, kv = layers.self_attention(p, x, cos, sin, visible, kv, 0, prefix + write_offset,
+                                      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                      head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl)
+        h = h + a
+        h = h + layers.swiglu(layers.rms_norm(h, self.post_norm[...], cfg.rms_norm_eps),
+                              *(getattr(self, n)[...] for n in MLP_PARAMS))
+        if cache is not None:
+            cache = KVCache(kv[0], kv[1], cache.lengths)
+        return h, cache
+
+    def logits(self, out_hidden):
+        """Draft-vocabulary logits (float32) from the pre-norm output."""
+        h = layers.rms_norm(out_hidden, self.norm[...], self.config.rms_norm_eps)
+        return jnp.einsum("...h,hv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def to_target_ids(self, draft_ids):
+        """``target_id = draft_id + d2t[draft_id]`` (identity when there is no mapping)."""
+        return draft_ids + self.d2t[...][draft_ids] if self.config.has_vocab_map else draft_ids
+
+    @property
+    def t2d(self):
+        """Boolean ``[vocab]``: which target ids the draft vocabulary covers."""
+        cfg = self.config
+        ids = self.to_target_ids(jnp.arange(cfg.draft_vocab_size))
+        return jnp.zeros((cfg.vocab_size,), bool).at[ids].set(True)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.config
+        return init_cache(1, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
