@@ -1,0 +1,246 @@
+"""The jitted decode loop: prefill, then draft → verify → commit rounds inside one
+``lax.while_loop`` (no host round-trip per round), for any batch size.
+
+``drafter=None`` runs vanilla autoregressive decoding through the same loop and the
+same stop logic; it is the baseline of every speedup figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3_jax import kv_cache, layers
+from eagle3_jax.models.target import check_token_ids
+from eagle3_jax.tree import TreeConfig, expand
+from eagle3_jax.verify import SamplingConfig, sample, verify
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Generated tokens per sequence (stop token included, prompt excluded) and stats.
+
+    ``stats``: ``rounds`` (per sequence), ``accept_lengths`` (accepted draft tokens per
+    round, per sequence), ``tau`` (mean over rounds of accepted + 1), ``acceptance_rate``
+    (per draft position i: P(position i accepted | positions < i accepted)),
+    ``proposed`` / ``accepted`` / ``committed`` token counts, ``new_tokens``,
+    ``seconds`` and ``tokens_per_second`` (wall clock, compilation excluded).
+    """
+
+    tokens: list[list[int]]
+    stats: dict
+    texts: list[str] | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _State:
+    tcache: kv_cache.KVCache
+    dcache: kv_cache.KVCache | None
+    root: jax.Array  # [B] next token to feed (emitted, not yet in the target cache)
+    last_hidden: jax.Array | None  # [B, H] drafter output at the last committed position
+    out: jax.Array  # [B, max_new]
+    n_out: jax.Array  # [B]
+    done: jax.Array  # [B]
+    accept: jax.Array  # [B, max_rounds] accepted draft tokens per round (-1 = no round)
+    step: jax.Array  # scalar round counter
+    key: jax.Array
+
+
+def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int) -> _State:
+    """Appends ``new[:, :count]`` to the output, truncating at a stop token or max_new."""
+    P = new_BxP.shape[1]
+    j = jnp.arange(P)[None]
+    is_stop = jnp.isin(new_BxP, stop_ids) & (j < count_B[:, None])
+    has_stop = is_stop.any(1)
+    first_stop = jnp.where(has_stop, jnp.argmax(is_stop, 1) + 1, P)
+    n = jnp.minimum(jnp.minimum(count_B, first_stop), max_new - st.n_out)
+    n = jnp.where(st.done, 0, n)
+    slots = jnp.where(j < n[:, None], st.n_out[:, None] + j, max_new)  # max_new = dropped
+    out = st.out.at[jnp.arange(new_BxP.shape[0])[:, None], slots].set(new_BxP, mode="drop")
+    n_out = st.n_out + n
+    done = st.done | (has_stop & (first_stop <= n)) | (n_out >= max_new)
+    return dataclasses.replace(st, out=out, n_out=n_out, done=done)
+
+
+def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int,
+         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None):
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    B, T = prompt_BxT.shape
+    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    bidx = jnp.arange(B)
+    max_rounds = max_new
+
+    # ---- prefill
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    logits, feats, tcache = target(prompt_BxT, pos, cache=target.init_cache(B, max_len))
+    tcache = kv_cache.advance(tcache, lengths_B)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits[bidx, lengths_B - 1], sampling)
+    dcache = last_hidden = None
+    if drafter is not None:
+        # drafter position j pairs the feature at j with token j+1 (the first token is the root)
+        ids = jnp.where(jnp.arange(T)[None] == lengths_B[:, None] - 1, first[:, None], jnp.roll(prompt_BxT, -1, 1))
+        dout, dcache = drafter(feats, ids, pos, cache=drafter.init_cache(B, max_len))
+        dcache = kv_cache.advance(dcache, lengths_B)
+        last_hidden = dout[bidx, lengths_B - 1]
+    st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, max_new), jnp.int32), jnp.zeros((B,), jnp.int32),
+                jnp.zeros((B,), bool), jnp.full((B, max_rounds), -1, jnp.int32), jnp.int32(0), key)
+    st = _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new)
+
+    def vanilla_round(st: _State) -> _State:
+        logits, _, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
+        key, sub = jax.random.split(st.key)
+        nxt = sample(sub, logits[:, 0], sampling)
+        active = ~st.done
+        st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
+                                 root=jnp.where(active, nxt, st.root), key=key,
+                                 accept=st.accept.at[:, st.step].set(jnp.where(active, 0, -1)))
+        return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new)
+
+    def spec_round(st: _State) -> _State:
+        t = expand(drafter, st.dcache, st.last_hidden, st.root, tree)
+        logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
+                                       region_mask_BxTxR=t.mask)
+        key, sub = jax.random.split(st.key)
+        path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k)
+        active = ~st.done
+        count = jnp.where(active, accepted + 1, 0)
+        node = jnp.maximum(path, 0)
+        tcache = kv_cache.commit(tcache, node, count)
+        # token following each committed node: the next accepted draft token, then the bonus
+        nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
+        new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None],
+                        jnp.take_along_axis(t.tokens, nxt_node, 1), bonus[:, None])
+        # the drafter consumes the committed nodes' target features (from the tree pass)
+        dfeats = jnp.take_along_axis(feats, node[..., None], 1)
+        dpos = st.dcache.lengths[:, None] + jnp.arange(node.shape[1])[None]
+        dout, dcache = drafter(dfeats, new, dpos, cache=st.dcache)
+        st2 = dataclasses.replace(
+            st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key,
+            root=jnp.where(active, bonus, st.root),
+            last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
+            accept=st.accept.at[:, st.step].set(jnp.where(active, accepted, -1)))
+        return _emit(st2, new, count, stops, max_new)
+
+    body = vanilla_round if drafter is None else spec_round
+
+    def step(st):
+        return dataclasses.replace(body(st), step=st.step + 1)
+
+    st = jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < max_rounds), step, st)
+    return st.out, st.n_out, st.accept
+
+
+_run_jit = jax.jit(_run, static_argnums=(0, 2), static_argnames=("max_len", "max_new", "stop_ids", "sampling", "tree"))
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
+    """Compiles the loop once per (models, batch, prompt bucket, limits, tree, sampling)."""
+    cache_key = (tgraph, dgraph, prompt_shape, kw)
+    if cache_key not in _COMPILED:
+        spec = jax.ShapeDtypeStruct
+        _COMPILED[cache_key] = _run_jit.lower(
+            tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), spec(prompt_shape[:1], jnp.int32),
+            jax.random.key(0), **dict(kw)).compile()
+    return _COMPILED[cache_key]
+
+
+def _bucket(n: int, base: int = 32) -> int:
+    """Rounds prompt lengths up so that varied prompts share one compilation."""
+    return max(base, -(-n // base) * base)
+
+
+def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
+             stop_token_ids: Sequence[int] | None = None, tokenizer=None) -> GenerateResult:
+    """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
+
+    Greedy output is token-identical to the target's own greedy decoding; with
+    ``temperature > 0`` every token is distributed exactly as sampling the target
+    (after top-k / top-p).  Stops at ``max_new_tokens``, the target's EOS ids and
+    ``stop_token_ids``, counting committed tokens only.
+
+    Args:
+      prompts: a list of token-id lists, or strings with ``tokenizer``.
+      tree: the draft tree budget (``TreeConfig``); ignored without a drafter.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts: need at least one prompt")
+    if isinstance(prompts[0], str):
+        if tokenizer is None:
+            raise ValueError("prompts are strings: pass tokenizer= to encode them")
+        prompts = [tokenizer.encode(p) for p in prompts]
+    seqs = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+    if any(s.size == 0 for s in seqs):
+        raise ValueError("prompts: empty prompt")
+    for i, s in enumerate(seqs):
+        check_token_ids(s, target.config.vocab_size, f"prompts[{i}]")
+    sampling = SamplingConfig(temperature, top_p, top_k)
+    if drafter is not None:
+        if drafter.config.vocab_size != target.config.vocab_size or drafter.config.target_hidden_size != target.config.hidden_size:
+            raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")
+        if tree.top_k > drafter.config.draft_vocab_size:
+            raise ValueError(f"tree.top_k={tree.top_k} exceeds the draft vocabulary ({drafter.config.draft_vocab_size})")
+    T = _bucket(max(s.size for s in seqs))
+    scratch = 1 if drafter is None else max(tree.total_tokens, tree.depth * tree.top_k, tree.path_len)
+    max_len = T + max_new_tokens + scratch
+    if max_len > target.config.max_position_embeddings:
+        raise ValueError(f"prompt ({max(s.size for s in seqs)}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"target's max_position_embeddings ({target.config.max_position_embeddings})")
+    prompt = np.zeros((len(seqs), T), np.int32)
+    for i, s in enumerate(seqs):
+        prompt[i, : s.size] = s
+    lengths = np.array([s.size for s in seqs], np.int32)
+    stop_ids = tuple(sorted(set(target.config.eos_token_ids) | set(stop_token_ids or ())))
+
+    tgraph, tstate = nnx.split(target)
+    dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
+              tree=tree if drafter is not None else None)
+    compiled = _compiled(tgraph, dgraph, prompt.shape, tuple(kw.items()), tstate, dstate)
+    start = time.perf_counter()
+    out, n_out, accept = jax.block_until_ready(
+        compiled(tstate, dstate, jnp.asarray(prompt), jnp.asarray(lengths), jax.random.key(seed)))
+    seconds = time.perf_counter() - start
+    out, n_out, accept = np.asarray(out), np.asarray(n_out), np.asarray(accept)
+    tokens = [out[b, : n_out[b]].tolist() for b in range(len(seqs))]
+    stats = _stats(accept, n_out, seconds, None if drafter is None else tree)
+    texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
+    return GenerateResult(tokens, stats, texts)
+
+
+def _stats(accept_BxR, n_out_B, seconds: float, tree: TreeConfig | None) -> dict:
+    rounds = (accept_BxR >= 0).sum(1)
+    acc = [row[row >= 0].tolist() for row in accept_BxR]
+    flat = np.concatenate([np.asarray(a, np.int64) for a in acc]) if acc else np.zeros(0, np.int64)
+    positions = 1 if tree is None else tree.path_len - 1
+    rate = [float((flat >= i).sum() / max((flat >= i - 1).sum(), 1)) for i in range(1, positions + 1)]
+    new_tokens = int(n_out_B.sum())
+    return {
+        "rounds": rounds.tolist(),
+        "accept_lengths": acc,
+        "tau": float((flat + 1).mean()) if flat.size else 0.0,
+        "acceptance_rate": rate if tree is not None else [],
+        "proposed": int(rounds.sum() * (tree.total_tokens - 1)) if tree is not None else 0,
+        "accepted": int(flat.sum()),
+        "committed": new_tokens,
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
+    }

@@ -1,0 +1,125 @@
+"""Lossless tree verification (greedy and sampling).
+
+Draft tokens are deterministic (the draft distribution is one-hot), so the walk is:
+at the current node try its children in order, accept child ``x`` with probability
+``p(x) / remaining mass`` (equivalently: with probability ``p(x)`` after earlier
+rejected siblings were zeroed and ``p`` renormalised); on acceptance move to ``x``,
+otherwise continue with the next sibling.  When every child is rejected (or the node
+is a leaf) the bonus token is drawn from ``p`` with the children removed.  Every
+emitted token is therefore distributed exactly as the target's own sample.
+Greedy decoding is the same walk with ``p = one_hot(argmax)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.tree import Tree, children_table
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"{self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits_xV, s: SamplingConfig):
+    """The distribution sampling draws from: temperature, then top-k, then top-p."""
+    logits = logits_xV.astype(jnp.float32) / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if s.top_p < 1:
+        sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
+        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        cutoff = jnp.min(jnp.where(before < s.top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+        probs = jnp.where(probs >= cutoff, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdims=True)
+    return probs
+
+
+def sample(key, logits_BxV, s: SamplingConfig):
+    """One token per row: argmax when greedy, else a draw from :func:`target_probs`."""
+    if s.greedy:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    keys = jax.random.split(key, logits_BxV.shape[0])
+    probs = target_probs(logits_BxV, s)
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
+
+
+def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int):
+    """Walks the tree against the target's logits at every node.
+
+    Returns ``(path_BxP, accepted_B, bonus_B)``: the accepted node ids root first
+    (``-1`` padded), the number of accepted draft tokens, and the bonus token drawn at
+    the last accepted node.
+    """
+    B, N = tree.tokens.shape
+    P = tree.paths.shape[-1]
+    children = jax.vmap(children_table, in_axes=(0, None))(tree.parents, max_children)  # [B, N, K]
+    child_tok = jnp.take_along_axis(tree.tokens[:, None, :], jnp.maximum(children, 0).reshape(B, 1, -1), 2).reshape(children.shape)
+    if s.greedy:
+        best = jnp.argmax(logits_BxNxV, axis=-1)  # [B, N]
+        p_child = (child_tok == best[..., None]).astype(jnp.float32)
+        u = jnp.zeros((B, P, max_children))
+    else:
+        probs = target_probs(logits_BxNxV, s)
+        p_child = jnp.take_along_axis(probs, child_tok, axis=2)
+        key, sub = jax.random.split(key)
+        u = jax.random.uniform(sub, (B, P, max_children))
+    path, accepted, last = jax.vmap(_walk)(children, p_child, u)
+
+    last_children = jnp.take_along_axis(children, last[:, None, None], 1)[:, 0]  # [B, K]
+    if s.greedy:
+        bonus = jnp.take_along_axis(best, last[:, None], 1)[:, 0]
+    else:
+        p_last = jnp.take_along_axis(probs, last[:, None, None], 1)[:, 0]  # [B, V]
+        rejected = jnp.take_along_axis(tree.tokens, jnp.maximum(last_children, 0), 1)
+        residual = p_last.at[jnp.arange(B)[:, None], rejected].multiply((last_children < 0).astype(p_last.dtype))
+        residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_last)  # measure-zero guard
+        keys = jax.random.split(key, B)
+        bonus = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, residual)
+    return path, accepted, bonus.astype(jnp.int32)
+
+
+def _accepts(u, remaining, p):
+    """Accept with probability ``p / remaining`` (p renormalised over unrejected tokens)."""
+    return u * remaining < p
+
+
+def _walk(children_NxK, p_child_NxK, u_PxK):
+    P, K = u_PxK.shape
+
+    def level(carry, u_K):
+        node, accepted, stopped, path = carry
+        ch, pc = children_NxK[node], p_child_NxK[node]
+
+        def try_child(c, j):
+            taken, remaining = c
+            valid = (ch[j] >= 0) & (taken < 0)
+            take = valid & _accepts(u_K[j], remaining, pc[j])
+            return (jnp.where(take, ch[j], taken), jnp.where(valid & ~take, remaining - pc[j], remaining)), None
+
+        (taken, _), _ = jax.lax.scan(try_child, (jnp.int32(-1), jnp.float32(1.0)), jnp.arange(K))
+        move = ~stopped & (taken >= 0)
+        path = path.at[accepted + 1].set(jnp.where(move, taken, path[accepted + 1]))
+        return (jnp.where(move, taken, node), accepted + move, stopped | ~move, path), None
+
+    path0 = jnp.full((P,), -1, jnp.int32).at[0].set(0)
+    (last, accepted, _, path), _ = jax.lax.scan(level, (jnp.int32(0), jnp.int32(0), False, path0), u_PxK[: P - 1])
+    return path, accepted, last
