@@ -51,3 +51,54 @@ def hf_forward(model, ids: np.ndarray):
     with torch.no_grad():
         out = model(torch.as_tensor(ids), output_hidden_states=True)
     return out.logits.numpy(), [h.numpy() for h in out.hidden_states]
+
+
+def oracle_drafter(target, prompts, continuation_len: int, seed: int = 0):
+    """A drafter that proposes the target's own greedy continuation (plus random runners-up).
+
+    It knows each row's greedy sequence in advance, so its top-1 at drafter position
+    ``j`` is the greedy token at target position ``j + 2``: long acceptance paths.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import eagle3_jax
+    from eagle3_jax.config import DrafterConfig, RopeConfig
+    from eagle3_jax.kv_cache import init_cache
+
+    tc = target.config
+    res = eagle3_jax.generate(target, None, prompts, max_new_tokens=continuation_len)
+    width = max(len(p) for p in prompts) + continuation_len + 64
+    table = np.zeros((len(prompts), width), np.int32)
+    for b, (p, c) in enumerate(zip(prompts, res.tokens)):
+        seq = list(p) + c
+        table[b, : len(seq)] = seq
+
+    class Oracle(nnx.Module):
+        def __init__(self):
+            self.config = DrafterConfig(vocab_size=tc.vocab_size, draft_vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+                                        intermediate_size=8, num_heads=1, num_kv_heads=1, head_dim=2, rms_norm_eps=1e-6,
+                                        rope=RopeConfig(), target_hidden_size=tc.hidden_size)
+            self.table = nnx.Variable(jnp.asarray(table))
+            self.noise = nnx.Variable(jax.random.normal(jax.random.key(seed), (64, tc.vocab_size)))
+
+        def __call__(self, hidden, tokens, positions, *, cache=None, region_mask_BxTxR=None, write_offset=0):
+            B, T = tokens.shape
+            row = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+            out = jnp.zeros((B, T, tc.hidden_size)).at[..., 0].set(positions).at[..., 1].set(row)
+            return out, cache
+
+        def logits(self, out):
+            pos = out[..., 0].astype(jnp.int32) + 2
+            row = out[..., 1].astype(jnp.int32)
+            want = self.table[...][row, jnp.minimum(pos, width - 1)]
+            return 10.0 * jax.nn.one_hot(want, tc.vocab_size) + self.noise[...][pos % 64]
+
+        def to_target_ids(self, ids):
+            return ids
+
+        def init_cache(self, batch, max_len):
+            return init_cache(1, batch, 1, 1, 1)
+
+    return Oracle(), res.tokens

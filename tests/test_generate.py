@@ -1,0 +1,197 @@
+"""Draft tree, verification and generate: golden parity with the official EAGLE-3,
+losslessness (greedy token identity, sampling distribution), tree invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eagle3_jax
+from eagle3_jax import decode as gen_mod, verify as verify_mod
+from eagle3_jax.kv_cache import advance
+from eagle3_jax.tree import TreeConfig, _select, expand
+from helpers import FIXTURES, oracle_drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return eagle3_jax.load_target(FIXTURES / "target_tiny")
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return {name: eagle3_jax.load_drafter(FIXTURES / name, target=target) for name in ("drafter_tiny", "drafter_tiny_trained")}
+
+
+@pytest.mark.parametrize("fname,dname", [("draft_tree.npz", "drafter_tiny"), ("draft_tree_trained.npz", "drafter_tiny_trained")])
+def test_tree_matches_official(drafters, fname, dname):
+    drafter, gold = drafters[dname], np.load(FIXTURES / fname)
+    cases = [c for c in range(3) if f"c{c}_draft_tokens" in gold]
+    for c in cases:
+        N, depth, k = (int(x) for x in gold[f"c{c}_params_total_token_depth_top_k"])
+        cfg = TreeConfig(N, depth, k)
+        h = jnp.asarray(gold[f"c{c}_hidden_states"])[None]
+        ids = jnp.asarray(gold[f"c{c}_input_ids"])[None, 1:]
+        T = h.shape[1]
+        out, cache = drafter(h, ids, jnp.arange(T)[None], cache=drafter.init_cache(1, T + depth * k + 2))
+        tree = expand(drafter, advance(cache, jnp.array([T])), out[:, -1], jnp.asarray(gold[f"c{c}_sample_token"], jnp.int32), cfg)
+        np.testing.assert_array_equal(tree.tokens[0], gold[f"c{c}_draft_tokens"])
+        np.testing.assert_array_equal(tree.mask[0], gold[f"c{c}_tree_mask"].astype(bool))
+        np.testing.assert_array_equal(tree.depth[0], gold[f"c{c}_tree_position_ids"])
+        ri = gold[f"c{c}_retrieve_indices"]
+        paths = np.asarray(tree.paths[0])
+        np.testing.assert_array_equal(paths[: ri.shape[0], : ri.shape[1]], ri)
+        assert (paths[ri.shape[0]:] == -1).all() and (paths[:, ri.shape[1]:] == -1).all()
+
+
+@pytest.mark.parametrize("fname,dname", [("eagenerate_greedy.npz", "drafter_tiny"),
+                                         ("eagenerate_greedy_trained.npz", "drafter_tiny_trained")])
+def test_greedy_generation_matches_official(target, drafters, fname, dname):
+    gold = np.load(FIXTURES / fname)
+    prompts = [gold[f"p{i}_prompt"].tolist() for i in range(5)]
+    res = eagle3_jax.generate(target, drafters[dname], prompts, max_new_tokens=64)
+    for i, p in enumerate(prompts):
+        official = gold[f"p{i}_ea_output_ids"][len(p):]
+        assert res.tokens[i] == official[:64].tolist()
+        ours, theirs = np.array(res.stats["accept_lengths"][i]), gold[f"p{i}_round_accept_length"]
+        n = min(len(ours), len(theirs))
+        assert n >= len(theirs) - 3
+        np.testing.assert_array_equal(ours[:n], theirs[:n])
+    if dname == "drafter_tiny_trained":
+        assert res.stats["tau"] > 2.0
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1024, size=int(L)).tolist() for L in rng.integers(4, 30, size=n)]
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(60, 7, 10), TreeConfig(16, 4, 4), TreeConfig(8, 3, 2), TreeConfig.chain(4)])
+def test_oracle_drafter_is_lossless_batch4(target, tree):
+    prompts = _prompts(4, seed=1)
+    oracle, vanilla = oracle_drafter(target, prompts, 40)
+    res = eagle3_jax.generate(target, oracle, prompts, max_new_tokens=40, tree=tree)
+    assert res.tokens == vanilla
+    assert max(max(a) for a in res.stats["accept_lengths"]) == min(tree.path_len - 1, tree.depth + 1)
+    assert res.stats["tau"] > 2.5
+
+
+@pytest.mark.parametrize("tree,batch", [(TreeConfig(60, 7, 10), 1), (TreeConfig(8, 3, 2), 4)])
+def test_random_drafter_is_lossless(target, drafters, tree, batch):
+    prompts = _prompts(batch, seed=2)
+    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=48).tokens
+    res = eagle3_jax.generate(target, drafters["drafter_tiny"], prompts, max_new_tokens=48, tree=tree)
+    assert res.tokens == vanilla
+
+
+def test_early_stops_are_identical(target):
+    prompts = _prompts(4, seed=3)
+    oracle, vanilla = oracle_drafter(target, prompts, 40)
+    stop = vanilla[1][17]  # a token in the middle of a sequence: stops it mid-round
+    want = eagle3_jax.generate(target, None, prompts, max_new_tokens=37, stop_token_ids=[stop]).tokens
+    got = eagle3_jax.generate(target, oracle, prompts, max_new_tokens=37, stop_token_ids=[stop], tree=TreeConfig(16, 4, 4))
+    assert got.tokens == want
+    assert want[1][-1] == stop and len(want[1]) <= 18
+    assert all(len(t) == 37 or t[-1] == stop for t in got.tokens)
+    assert got.stats["new_tokens"] == sum(map(len, want))
+
+
+# ------------------------------------------------------------------ sampling is lossless
+def _chi2_pvalue(a, b, bins):
+    from scipy.stats import chi2_contingency
+
+    table = np.array([[np.sum(x == v) for v in bins] + [np.sum(~np.isin(x, bins))] for x in (a, b)])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table)[1]
+
+
+def _sampling_run(target, drafter, prompt, n, seed):
+    res = eagle3_jax.generate(target, drafter, [prompt] * n, max_new_tokens=3, temperature=0.8, top_p=0.95,
+                              seed=seed, tree=TreeConfig(16, 4, 4))
+    return np.array(res.tokens), res
+
+
+def test_sampling_matches_target_distribution(target, drafters):
+    gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
+    prompt = gold["p0_prompt"].tolist()
+    spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 3000, seed=1)
+    assert res.stats["accepted"] > 1000  # the drafter's proposals are actually being accepted
+    base, _ = _sampling_run(target, None, prompt, 3000, seed=2)
+    for pos in (1, 2):  # tokens produced by tree verification
+        bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
+        top = bins[0][np.argsort(-bins[1])[:12]]
+        assert _chi2_pvalue(spec[:, pos], base[:, pos], top) > 1e-3
+
+
+def test_biased_acceptance_is_detected(target, drafters, monkeypatch):
+    """The same test fails when acceptance is deliberately biased (accept with 3·p)."""
+    monkeypatch.setattr(verify_mod, "_accepts", lambda u, remaining, p: u * remaining < 3 * p)
+    jax.clear_caches()
+    gen_mod._COMPILED.clear()
+    gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
+    prompt = gold["p0_prompt"].tolist()
+    spec, _ = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 3000, seed=1)
+    base, _ = _sampling_run(target, None, prompt, 3000, seed=2)
+    pvals = []
+    for pos in (1, 2):
+        bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
+        pvals.append(_chi2_pvalue(spec[:, pos], base[:, pos], bins[0][np.argsort(-bins[1])[:12]]))
+    monkeypatch.undo()
+    jax.clear_caches()
+    gen_mod._COMPILED.clear()
+    assert min(pvals) < 1e-3
+
+
+def test_target_probs_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    p = verify_mod.target_probs(logits, verify_mod.SamplingConfig(1.0, top_p=0.7))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]], atol=1e-6)
+    p = verify_mod.target_probs(logits, verify_mod.SamplingConfig(1.0, top_k=3))
+    np.testing.assert_allclose(p, [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
+
+
+# ------------------------------------------------------------------ tree invariants
+def _random_candidates(rng, cfg: TreeConfig):
+    """Candidate lists with the structure expand() produces (beam-major, cumulative scores)."""
+    k = cfg.top_k
+    scores = np.sort(-rng.exponential(size=k))[::-1]
+    all_s, all_p = [scores], [np.full(k, -1)]
+    beam_cand, beam_s = np.arange(k), scores
+    for i in range(cfg.depth):
+        child = np.sort(-rng.exponential(size=(k, k)), axis=1)[:, ::-1]
+        cu = (beam_s[:, None] + child).reshape(-1)
+        all_s.append(cu)
+        all_p.append(np.repeat(beam_cand, k))
+        best = np.argsort(-cu, kind="stable")[:k]
+        beam_cand, beam_s = k + i * k * k + best, cu[best]
+    C = cfg.num_candidates
+    return (jnp.asarray(np.concatenate(all_s))[None], jnp.arange(C, dtype=jnp.int32)[None] + 100,
+            jnp.asarray(np.concatenate(all_p), jnp.int32)[None])
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(1, 4), depth=st.integers(0, 4), frac=st.floats(0, 1), seed=st.integers(0, 10_000))
+def test_tree_invariants(k, depth, frac, seed):
+    cands = k + depth * k * k
+    N = 2 + int(frac * (cands - 1))
+    cfg = TreeConfig(N, depth, k)
+    s, t, p = _random_candidates(np.random.default_rng(seed), cfg)
+    tree = jax.tree.map(lambda x: np.asarray(x[0]), _select(s, t, p, jnp.array([7], jnp.int32), cfg))
+    parents, depth_, mask, paths = tree.parents, tree.depth, tree.mask, tree.paths
+    assert parents[0] == -1 and tree.tokens[0] == 7
+    for n in range(1, N):
+        assert 0 <= parents[n] < n
+    for n in range(N):  # mask = self + ancestors; position = depth
+        anc, a = {n}, parents[n]
+        while a >= 0:
+            anc.add(a)
+            a = parents[a]
+        assert set(np.flatnonzero(mask[n])) == anc
+        assert depth_[n] == len(anc) - 1
+    leaves = [n for n in range(N) if n not in set(parents[1:])]
+    rows = [r for r in paths if (r >= 0).any()]
+    assert [r[r >= 0][-1] for r in rows] == leaves  # one row per leaf, in increasing leaf order
+    for r in rows:  # every path is a root-to-leaf chain
+        r = r[r >= 0]
+        assert r[0] == 0 and all(parents[r[i + 1]] == r[i] for i in range(len(r) - 1))
