@@ -61,6 +61,82 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _tokenizer(path: Path):
+    """The target directory's tokenizer, if it ships one (never downloaded)."""
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _load_pair(args):
+    import eagle3_jax
+
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+    drafter = eagle3_jax.load_drafter(args.drafter, target=target) if args.drafter else None
+    return target, drafter, _tokenizer(Path(args.target))
+
+
+def _cmd_generate(args) -> int:
+    import eagle3_jax
+    from eagle3_jax.bench import parse_tree
+
+    target, drafter, tok = _load_pair(args)
+    if args.prompt_ids:
+        prompts = [[int(x) for x in args.prompt_ids.split(",")]]
+    elif args.prompt is not None:
+        if tok is None:
+            raise ValueError(f"{args.target} has no tokenizer: pass --prompt-ids 1,2,3 instead of --prompt")
+        prompts = [tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+                   if tok.chat_template and not args.raw else tok.encode(args.prompt)]
+    else:
+        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+    res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, tree=parse_tree(args.tree), seed=args.seed)
+    out = res.tokens[0]
+    print(tok.decode(out) if tok is not None else " ".join(map(str, out)))
+    st = res.stats
+    print(f"\n[{st['new_tokens']} tokens, {st['tokens_per_second']:.1f} tok/s"
+          + (f", tau {st['tau']:.2f} over {st['rounds'][0]} rounds]" if drafter is not None else ", vanilla]"))
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from eagle3_jax.bench import load_prompts, parse_tree, run_bench
+
+    target, drafter, tok = _load_pair(args)
+    if drafter is None:
+        raise ValueError("bench needs --drafter")
+    if args.prompts:
+        prompts = load_prompts(args.prompts, tok)
+    else:
+        import numpy as np
+
+        rng = np.random.default_rng(args.seed)
+        prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts)]
+    report = run_bench(target, drafter, prompts, trees=[parse_tree(t) for t in args.tree],
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k, batch_size=args.batch_size, seed=args.seed)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _common(p, tree_default):
+    p.add_argument("--target", required=True, help="Hugging Face target checkpoint directory")
+    p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", default=tree_default, **({"nargs": "+"} if isinstance(tree_default, list) else {}),
+                   help="tree budget TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-jax", description="EAGLE-3 speculative decoding on JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=_cmd_info)
+
+    gen = sub.add_parser("generate", help="generate with EAGLE-3 (or vanilla without --drafter)")
+    _common(gen, "60,7,10")
+    gen.add_argument("--prompt", help="prompt text (chat template applied when the tokenizer has one)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="vanilla vs EAGLE-3 on the same prompts, in one process")
+    _common(bench, ["60,7,10"])
+    bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
+    bench.add_argument("--num-prompts", type=int, default=4, help="random 16-token prompts when --prompts is absent")
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--json", help="write the report here")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

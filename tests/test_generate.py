@@ -35,7 +35,8 @@ def test_tree_matches_official(drafters, fname, dname):
         ids = jnp.asarray(gold[f"c{c}_input_ids"])[None, 1:]
         T = h.shape[1]
         out, cache = drafter(h, ids, jnp.arange(T)[None], cache=drafter.init_cache(1, T + depth * k + 2))
-        tree = expand(drafter, advance(cache, jnp.array([T])), out[:, -1], jnp.asarray(gold[f"c{c}_sample_token"], jnp.int32), cfg)
+        build = jax.jit(lambda cache, last, root: expand(drafter, cache, last, root, cfg))
+        tree = build(advance(cache, jnp.array([T])), out[:, -1], jnp.asarray(gold[f"c{c}_sample_token"], jnp.int32))
         np.testing.assert_array_equal(tree.tokens[0], gold[f"c{c}_draft_tokens"])
         np.testing.assert_array_equal(tree.mask[0], gold[f"c{c}_tree_mask"].astype(bool))
         np.testing.assert_array_equal(tree.depth[0], gold[f"c{c}_tree_position_ids"])
@@ -115,9 +116,9 @@ def _sampling_run(target, drafter, prompt, n, seed):
 def test_sampling_matches_target_distribution(target, drafters):
     gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
     prompt = gold["p0_prompt"].tolist()
-    spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 3000, seed=1)
-    assert res.stats["accepted"] > 1000  # the drafter's proposals are actually being accepted
-    base, _ = _sampling_run(target, None, prompt, 3000, seed=2)
+    spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
+    assert res.stats["accepted"] > 800  # the drafter's proposals are actually being accepted
+    base, _ = _sampling_run(target, None, prompt, 2000, seed=2)
     for pos in (1, 2):  # tokens produced by tree verification
         bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
         top = bins[0][np.argsort(-bins[1])[:12]]
@@ -131,8 +132,8 @@ def test_biased_acceptance_is_detected(target, drafters, monkeypatch):
     gen_mod._COMPILED.clear()
     gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
     prompt = gold["p0_prompt"].tolist()
-    spec, _ = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 3000, seed=1)
-    base, _ = _sampling_run(target, None, prompt, 3000, seed=2)
+    spec, _ = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
+    base, _ = _sampling_run(target, None, prompt, 2000, seed=2)
     pvals = []
     for pos in (1, 2):
         bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
@@ -170,7 +171,7 @@ def _random_candidates(rng, cfg: TreeConfig):
             jnp.asarray(np.concatenate(all_p), jnp.int32)[None])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(k=st.integers(1, 4), depth=st.integers(0, 4), frac=st.floats(0, 1), seed=st.integers(0, 10_000))
 def test_tree_invariants(k, depth, frac, seed):
     cands = k + depth * k * k
