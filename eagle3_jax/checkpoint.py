@@ -192,7 +192,8 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
       dtype: ``"float32"`` / ``"bfloat16"`` / a jnp dtype; default: the checkpoint's.
       capture_layers: three decoder-layer ids whose *inputs* form the EAGLE-3
         features; default ``(2, L//2, L-3)``.
-      attention_impl: ``"xla"`` or ``"pallas"`` (tree-attention kernel).
+      attention_impl: ``"xla"``, ``"pallas"`` (the tree-attention kernel on TPU, the XLA
+        reference elsewhere) or ``"pallas_interpret"`` (the kernel in interpret mode).
       shardings: optional per-parameter shardings (see ``eagle3_jax.sharding``).
 
     Returns:
@@ -200,6 +201,10 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
     """
     from eagle3_jax.models.target import Target, param_shapes
 
+    from eagle3_jax.layers import ATTENTION_IMPLS
+
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
     path = Path(path)
     raw = read_config_json(path)
     cfg = TargetConfig.from_dict(raw, source=str(path / "config.json"), capture_layers=capture_layers)
@@ -266,7 +271,7 @@ class _Renamed:
         return self.source.get(self.alias[name])
 
 
-def load_drafter(path, *, target=None, embed=None, dtype=None, attention_impl: str = "xla"):
+def load_drafter(path, *, target=None, embed=None, dtype=None):
     """Loads an EAGLE-3 drafter checkpoint directory.
 
     Reads the official release layout (``config.json`` + ``pytorch_model.bin``, read
@@ -308,7 +313,6 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, attention_impl: s
     model.d2t.set_value(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32))
     model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
     model.own_embedding = own
-    model.attention_impl = attention_impl
     return model
 
 

@@ -71,20 +71,18 @@ def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
     return out.reshape(B, T, N, D)
 
 
-def attend(q, k, v, visible, scale: float, impl: str = "xla"):
-    """Dispatches attention to the XLA path or the Pallas tree-attention kernel."""
-    if impl == "xla":
-        return attention_xla(q, k, v, visible, scale)
-    raise ValueError(f"attention_impl={impl!r}: expected 'xla' or 'pallas'")
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 
 
 def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *, num_heads: int,
-                   num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla"):
+                   num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla", region_mask_BxTxT=None):
     """Projections (+ optional biases and q/k norms), RoPE, cache write and attention.
 
     ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache, written only at the new
     rows of ``layer``, or ``None`` (attend to the new tokens only).
-    Returns ``(out_BxTxH, kv)``.
+    ``impl="pallas"`` / ``"pallas_interpret"`` use the tree-attention kernel, which needs
+    the new tokens written right after the prefix (``write_at == prefix``) and their
+    ``[T, T]`` region mask.  Returns ``(out_BxTxH, kv)``.
     """
     B, T, _ = x_BxTxE.shape
     q = (x_BxTxE @ p["wq"] + p.get("bq", 0)).reshape(B, T, num_heads, head_dim)
@@ -93,10 +91,20 @@ def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *
     if "q_norm" in p:
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_new, v_new = k, v
     if kv is not None:
         kv = (write_kv(kv[0], k, layer, write_at_B), write_kv(kv[1], v, layer, write_at_B))
         k, v = kv[0][layer], kv[1][layer]
-    out = attend(q, k, v, visible_BxTxS, head_dim ** -0.5, impl)
+    if impl == "xla":
+        out = attention_xla(q, k, v, visible_BxTxS, head_dim ** -0.5)
+    elif impl in ("pallas", "pallas_interpret"):
+        from pallas_kernels import tree_attention
+
+        prefix = write_at_B if kv is not None else jnp.zeros((B,), jnp.int32)
+        out = tree_attention.attention(q, k, v, prefix, k_new, v_new, region_mask_BxTxT, scale=head_dim ** -0.5,
+                                       interpret=True if impl == "pallas_interpret" else None)
+    else:
+        raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
     return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv
 
 

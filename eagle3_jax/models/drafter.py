@@ -41,11 +41,10 @@ class Drafter(nnx.Module):
     the checkpoint carried its own (``own_embedding``)."""
 
     def __init__(self, cfg: DrafterConfig, embed_VxH, *, d2t=None, own_embedding: bool = False,
-                 dtype=jnp.float32, rngs: nnx.Rngs | None = None, attention_impl: str = "xla"):
+                 dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.config = cfg
         self.dtype = dtype
         self.own_embedding = own_embedding
-        self.attention_impl = attention_impl
         rngs = rngs or nnx.Rngs(0)
         for name, shape in param_shapes(cfg).items():
             if name.endswith("norm"):
@@ -88,7 +87,7 @@ class Drafter(nnx.Module):
         kv = None if cache is None else (cache.k, cache.v)
         a, kv = layers.self_attention(p, x, cos, sin, visible, kv, 0, prefix + write_offset,
                                       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                      head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl)
+                                      head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
         h = h + a
         h = h + layers.swiglu(layers.rms_norm(h, self.post_norm[...], cfg.rms_norm_eps),
                               *(getattr(self, n)[...] for n in MLP_PARAMS))

@@ -100,7 +100,7 @@ class Target(nnx.Module):
             x = layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
             a, kv = layers.self_attention(
                 p, x, cos, sin, visible, kv, i, prefix, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl)
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl, region_mask_BxTxT=region_mask_BxTxR)
             h = h + a
             x = layers.rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
             h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
