@@ -74,6 +74,17 @@ def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 
 
+def qkv(p, x_BxTxE, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """Query/key/value heads with optional biases and q/k norms, RoPE applied to q and k."""
+    B, T, _ = x_BxTxE.shape
+    q = (x_BxTxE @ p["wq"] + p.get("bq", 0)).reshape(B, T, num_heads, head_dim)
+    k = (x_BxTxE @ p["wk"] + p.get("bk", 0)).reshape(B, T, num_kv_heads, head_dim)
+    v = (x_BxTxE @ p["wv"] + p.get("bv", 0)).reshape(B, T, num_kv_heads, head_dim)
+    if "q_norm" in p:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *, num_heads: int,
                    num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla", region_mask_BxTxT=None):
     """Projections (+ optional biases and q/k norms), RoPE, cache write and attention.
@@ -85,12 +96,7 @@ def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *
     ``[T, T]`` region mask.  Returns ``(out_BxTxH, kv)``.
     """
     B, T, _ = x_BxTxE.shape
-    q = (x_BxTxE @ p["wq"] + p.get("bq", 0)).reshape(B, T, num_heads, head_dim)
-    k = (x_BxTxE @ p["wk"] + p.get("bk", 0)).reshape(B, T, num_kv_heads, head_dim)
-    v = (x_BxTxE @ p["wv"] + p.get("bv", 0)).reshape(B, T, num_kv_heads, head_dim)
-    if "q_norm" in p:
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = qkv(p, x_BxTxE, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
     k_new, v_new = k, v
     if kv is not None:
         kv = (write_kv(kv[0], k, layer, write_at_B), write_kv(kv[1], v, layer, write_at_B))

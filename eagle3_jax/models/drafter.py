@@ -68,32 +68,50 @@ class Drafter(nnx.Module):
         """
         cfg = self.config
         B, T = tokens_BxT.shape
-        h = hidden_BxTxF.astype(self.dtype)
-        if h.shape[-1] == 3 * cfg.target_hidden_size and h.shape[-1] != cfg.hidden_size:
-            h = h @ self.fc[...]
-        elif h.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"drafter hidden input: width {h.shape[-1]} is neither 3*target_hidden "
-                             f"({3 * cfg.target_hidden_size}) nor hidden ({cfg.hidden_size})")
+        h = self.fuse(hidden_BxTxF)
         if region_mask_BxTxR is None:
             region_mask_BxTxR = layers.causal_mask(B, T)
         prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         visible = layers.visibility(prefix, region_mask_BxTxR, T if cache is None else cache.max_len)
-        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
-
-        e = self.embed[...][tokens_BxT]
-        x = jnp.concatenate([layers.rms_norm(e, self.input_norm[...], cfg.rms_norm_eps),
-                             layers.rms_norm(h, self.hidden_norm[...], cfg.rms_norm_eps)], axis=-1)
-        p = {n: getattr(self, n)[...] for n in ATTN_PARAMS}
+        cos, sin = self.rope(positions_BxT)
         kv = None if cache is None else (cache.k, cache.v)
-        a, kv = layers.self_attention(p, x, cos, sin, visible, kv, 0, prefix + write_offset,
-                                      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        a, kv = layers.self_attention(self.attn_params(), self.layer_input(h, tokens_BxT), cos, sin, visible, kv, 0,
+                                      prefix + write_offset, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                       head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-        h = h + a
-        h = h + layers.swiglu(layers.rms_norm(h, self.post_norm[...], cfg.rms_norm_eps),
-                              *(getattr(self, n)[...] for n in MLP_PARAMS))
+        h = self.layer_output(h, a)
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.lengths)
         return h, cache
+
+    # The pieces of the layer, shared with training-time test (train/ttt.py).
+    def fuse(self, hidden_BxTxF):
+        """``fc`` on fused target features (width 3·H_target); the drafter's own output passes as is."""
+        cfg = self.config
+        h = hidden_BxTxF.astype(self.dtype)
+        if h.shape[-1] == 3 * cfg.target_hidden_size and h.shape[-1] != cfg.hidden_size:
+            return h @ self.fc[...]
+        if h.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"drafter hidden input: width {h.shape[-1]} is neither 3*target_hidden "
+                             f"({3 * cfg.target_hidden_size}) nor hidden ({cfg.hidden_size})")
+        return h
+
+    def rope(self, positions_BxT):
+        return layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
+
+    def attn_params(self):
+        return {n: getattr(self, n)[...] for n in ATTN_PARAMS}
+
+    def layer_input(self, h_BxTxH, tokens_BxT):
+        """``[input_layernorm(embed(tokens)) ; hidden_norm(h)]`` — embedding first."""
+        eps = self.config.rms_norm_eps
+        e = self.embed[...][tokens_BxT]
+        return jnp.concatenate([layers.rms_norm(e, self.input_norm[...], eps), layers.rms_norm(h_BxTxH, self.hidden_norm[...], eps)], -1)
+
+    def layer_output(self, h_BxTxH, attn_out_BxTxH):
+        """Residual from the un-normed ``h``, then the SwiGLU MLP block; returns pre-norm ``h``."""
+        h = h_BxTxH + attn_out_BxTxH
+        return h + layers.swiglu(layers.rms_norm(h, self.post_norm[...], self.config.rms_norm_eps),
+                                 *(getattr(self, n)[...] for n in MLP_PARAMS))
 
     def logits(self, out_hidden):
         """Draft-vocabulary logits (float32) from the pre-norm output."""
