@@ -1,0 +1,144 @@
+"""Training data: ShareGPT-style conversations → chat template → ``input_ids`` +
+``loss_mask`` (assistant tokens only), regeneration of the assistant turns by the target,
+the draft-vocabulary step, and the grain pipeline.
+
+Records are stored as one ``.npz`` per stage: ``input_ids [n, seq_len] int32``,
+``loss_mask [n, seq_len] bool``, ``lengths [n]``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grain
+import numpy as np
+from tqdm.auto import tqdm
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def load_conversations(path: str | Path) -> list[list[dict]]:
+    """Reads ShareGPT JSON / JSONL (``conversations: [{from, value}]`` or ``messages: [{role, content}]``)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        rows = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read conversations ({e})") from None
+    convs = []
+    for i, row in enumerate(rows):
+        turns = row.get("conversations") or row.get("messages") if isinstance(row, dict) else row
+        if not isinstance(turns, list):
+            raise ValueError(f"{path}: record {i} has no 'conversations' or 'messages' list")
+        msgs = []
+        for t in turns:
+            role = ROLES.get(t.get("from", t.get("role")))
+            if role is None:
+                raise ValueError(f"{path}: record {i}: unknown role {t.get('from', t.get('role'))!r}")
+            msgs.append({"role": role, "content": t.get("value", t.get("content", ""))})
+        convs.append(msgs)
+    return convs
+
+
+def tokenize(tokenizer, messages: list[dict], *, last_turn_only: bool = False):
+    """``(input_ids, loss_mask)`` with the mask on the assistant turns' tokens (template included)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    mask = np.zeros(len(ids), bool)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in assistant[-1:] if last_turn_only else assistant:
+        before = _encode_prefix(tokenizer, messages[:i], generation_prompt=True)
+        upto = _encode_prefix(tokenizer, messages[: i + 1], generation_prompt=False)
+        if ids[: len(upto)] != upto or upto[: len(before)] != before:
+            raise ValueError("the chat template is not prefix-consistent; cannot locate assistant tokens")
+        mask[len(before): len(upto)] = True
+    return np.asarray(ids, np.int32), mask
+
+
+def _encode_prefix(tokenizer, messages, generation_prompt: bool):
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+def to_records(pairs, seq_len: int) -> dict[str, np.ndarray]:
+    """Pads / truncates ``(ids, mask)`` pairs to ``seq_len``; drops rows with no loss token."""
+    pairs = [(i[:seq_len], m[:seq_len]) for i, m in pairs]
+    pairs = [(i, m) for i, m in pairs if m.any()]
+    ids = np.zeros((len(pairs), seq_len), np.int32)
+    mask = np.zeros((len(pairs), seq_len), bool)
+    for r, (i, m) in enumerate(pairs):
+        ids[r, : len(i)], mask[r, : len(m)] = i, m
+    return {"input_ids": ids, "loss_mask": mask, "lengths": np.array([len(i) for i, _ in pairs], np.int32)}
+
+
+def prepare(conversations, tokenizer, seq_len: int, *, last_turn_only: bool = False) -> dict[str, np.ndarray]:
+    pairs = [tokenize(tokenizer, c, last_turn_only=last_turn_only) for c in tqdm(conversations, desc="prepare")]
+    return to_records(pairs, seq_len)
+
+
+def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens: int, temperature: float = 0.0,
+               batch_size: int = 8, seed: int = 0, last_turn_only: bool = False) -> tuple[list, dict]:
+    """Replaces every assistant turn by the target's own answer (thinking kept), turn by
+    turn, with batched jitted generation.  Returns the new conversations and records."""
+    from eagle3_jax.decode import generate
+
+    convs = [[m for m in c if m["role"] != "assistant"] for c in conversations]
+    out = [[] for _ in convs]
+    cursor = [0] * len(convs)
+    pending = list(range(len(convs)))
+    bar = tqdm(total=sum(sum(m["role"] == "user" for m in c) for c in convs), desc="regenerate")
+    eos = set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    while pending:
+        prompts, owners = [], []
+        for i in pending:  # advance each conversation to its next user turn
+            while cursor[i] < len(convs[i]) and convs[i][cursor[i]]["role"] != "user":
+                out[i].append(convs[i][cursor[i]])
+                cursor[i] += 1
+            if cursor[i] < len(convs[i]):
+                out[i].append(convs[i][cursor[i]])
+                cursor[i] += 1
+                ids = _encode_prefix(tokenizer, out[i], generation_prompt=True)[: seq_len - 1]
+                prompts.append(ids)
+                owners.append(i)
+        for s in range(0, len(prompts), batch_size):
+            res = generate(target, None, prompts[s: s + batch_size], max_new_tokens=max_new_tokens,
+                           temperature=temperature, seed=seed + s, stop_token_ids=sorted(eos))
+            for i, toks in zip(owners[s: s + batch_size], res.tokens):
+                toks = toks[:-1] if toks and toks[-1] in eos else toks
+                out[i].append({"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=False)})
+            bar.update(len(res.tokens))
+        pending = [i for i in owners if cursor[i] < len(convs[i])]
+    bar.close()
+    return out, prepare(out, tokenizer, seq_len, last_turn_only=last_turn_only)
+
+
+def save_records(records: dict, path: str | Path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **records)
+    tmp.replace(path)
+
+
+def load_records(path: str | Path) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing (run the earlier training step first)")
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
+    """An endless, shuffled, batched grain iterator over this host's share of the records.
+
+    ``iterator.get_state()`` / ``set_state()`` make resumption exact.
+    """
+    n = len(records["input_ids"])
+    if n == 0:
+        raise ValueError("no training records (every row lacked assistant tokens?)")
+    rows = [{"input_ids": records["input_ids"][i], "loss_mask": records["loss_mask"][i]}
+            for i in range(process_index, n, process_count)]
+    ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
+    return ds.to_iter_dataset().__iter__()

@@ -1,0 +1,195 @@
+"""The sharded TTT training loop: the frozen target computes features and logits
+inside the jitted step, optax AdamW updates the drafter, orbax checkpoints everything
+needed to resume exactly (params, optimizer state, step, data-iterator state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from eagle3_jax import sharding
+from eagle3_jax.checkpoint import save_drafter
+from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+from train import data
+from train.ttt import ttt_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 5e-5
+    warmup_steps: int = 50
+    end_lr_ratio: float = 0.1
+    ttt_length: int = 7
+    step_weight: float = 0.8
+    clip_norm: float = 0.5
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute over float32 master weights
+    seed: int = 0
+    save_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+
+
+def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
+    """AdamW β=(0.9, 0.95), no weight decay, global-norm clipping, warmup then cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1),
+                                                  end_value=cfg.lr * cfg.end_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
+
+
+class Trainer:
+    """Trains ``drafter`` against ``target`` on ``records`` over ``mesh`` (default: all devices as data)."""
+
+    def __init__(self, target, drafter, records: dict, cfg: FitConfig, *, work_dir: str | Path, mesh: Mesh | None = None):
+        self.cfg = cfg
+        self.work_dir = Path(work_dir)
+        self.mesh = mesh or sharding.make_mesh(data=-1)
+        self.records = records
+        self.seq_len = records["input_ids"].shape[1]
+        self.opt = optimizer(cfg)
+
+        tshapes = target_mod.param_shapes(target.config)
+        tsh = sharding.param_shardings(tshapes, sharding.TARGET_AXES, self.mesh)
+        self.tgraph, tstate = nnx.split(target)
+        self.tstate = self._place(tstate, tsh)
+        self.dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
+        dsh = sharding.param_shardings(drafter_mod.param_shapes(drafter.config), sharding.DRAFTER_AXES, self.mesh)
+        self.params = self._place(params, dsh)
+        self.frozen = self._place(frozen, {"embed": NamedSharding(self.mesh, sharding.spec(drafter.embed[...].shape, sharding.DRAFTER_AXES["embed"], self.mesh))})
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        replicated = NamedSharding(self.mesh, P())
+        self.opt_state = jax.tree.map(  # moments follow their params; scalars (counts) live on the whole mesh
+            lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
+            jax.jit(self.opt.init)(self.params))
+        self.step = 0
+        if cfg.batch_size % jax.process_count():
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} hosts")
+        self.data_iter = data.dataset(records, batch_size=cfg.batch_size // jax.process_count(),
+                                      seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
+        self.ckpt = ocp.CheckpointManager(
+            (self.work_dir / "ckpt").absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
+        opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self._train_step = jax.jit(self._step, donate_argnums=(0, 1),
+                                   out_shardings=(self.param_shardings, opt_shardings, None))
+        self.best = {"sim_accept_len": -1.0, "step": None}
+
+    def _place(self, state, shardings: dict):
+        """Puts each leaf on its sharding (by parameter name); everything else replicated."""
+        replicated = NamedSharding(self.mesh, P())
+
+        def put(path, x):
+            name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
+            return jax.device_put(x, shardings.get(name, replicated), may_alias=False)  # params are donated
+
+        return jax.tree_util.tree_map_with_path(put, state)
+
+    # ------------------------------------------------------------------ step
+    def _step(self, params, opt_state, frozen, tstate, input_ids, loss_mask):
+        cfg = self.cfg
+        target = nnx.merge(self.tgraph, tstate)
+        pos = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        logits, feats, _ = target(input_ids, pos)
+        logits, feats = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+
+        def loss_fn(p):
+            if cfg.compute_dtype != "float32":
+                p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+            drafter = nnx.merge(self.dgraph, p, frozen)
+            return ttt_loss(drafter, feats, input_ids, logits, loss_mask, length=cfg.ttt_length, step_weight=cfg.step_weight)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = self.opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        params = jax.lax.with_sharding_constraint(params, self.param_shardings)
+        return params, opt_state, metrics
+
+    def train_step(self, batch):
+        """One optimizer step on a host batch ``{input_ids, loss_mask}``; returns metrics."""
+        bs = sharding.batch_sharding(self.mesh)
+        ids = jax.make_array_from_process_local_data(bs, np.asarray(batch["input_ids"], np.int32))
+        mask = jax.make_array_from_process_local_data(bs, np.asarray(batch["loss_mask"], bool))
+        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.frozen, self.tstate, ids, mask)
+        self.step += 1
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self):
+        state = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state, "step": self.step}
+        self.ckpt.save(self.step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave({"iterator": self.data_iter.get_state(), "best": self.best})))
+
+    def restore(self) -> bool:
+        """Restores the latest checkpoint if there is one; returns whether it did."""
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return False
+        abstract = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state, "step": self.step}
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, abstract)
+        got = self.ckpt.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        nnx.replace_by_pure_dict(self.params, got.state["params"])
+        self.opt_state = got.state["opt_state"]
+        self.step = int(got.state["step"])
+        self.data_iter.set_state(got.data["iterator"])
+        self.best = got.data["best"]
+        return True
+
+    def drafter(self):
+        """The current drafter as a module (for export or generation)."""
+        return nnx.merge(self.dgraph, self.params, self.frozen)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self, steps: int | None = None, *, resume: bool = False, log_path: str | Path | None = None):
+        """Trains up to ``steps`` total steps (default ``cfg.steps``), checkpointing every
+        ``save_every`` and at the end; exports the best drafter (by simulated acceptance
+        length over the last interval) to ``work_dir/best``."""
+        steps = self.cfg.steps if steps is None else steps
+        if resume:
+            self.restore()
+        log = open(log_path or self.work_dir / "metrics.jsonl", "a")
+        window, t0, tokens = [], time.perf_counter(), 0
+        bar = tqdm(total=steps, initial=self.step, desc="fit")
+        try:
+            while self.step < steps:
+                batch = next(self.data_iter)
+                metrics = jax.device_get(self.train_step(batch))
+                tokens += int(np.asarray(batch["loss_mask"]).sum())
+                window.append(float(metrics["sim_accept_len"]))
+                if self.step % self.cfg.log_every == 0 or self.step == steps:
+                    row = {"step": self.step, "loss": float(metrics["loss"]),
+                           **{f"acc_{i}": float(a) for i, a in enumerate(metrics["acc_s"])},
+                           "sim_accept_len": float(metrics["sim_accept_len"]),
+                           "tokens_per_second": tokens / (time.perf_counter() - t0)}
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", sim_len=f"{row['sim_accept_len']:.2f}",
+                                    acc=" ".join(f"{float(a):.2f}" for a in metrics["acc_s"]), tok_s=f"{row['tokens_per_second']:.0f}")
+                bar.update(1)
+                if self.step % self.cfg.save_every == 0 or self.step == steps:
+                    score = float(np.mean(window))
+                    window = []
+                    if score > self.best["sim_accept_len"]:
+                        self.best = {"sim_accept_len": score, "step": self.step}
+                        if jax.process_index() == 0:
+                            save_drafter(self.drafter(), self.work_dir / "best")
+                    self.save()
+        finally:
+            bar.close()
+            log.close()
+            self.ckpt.wait_until_finished()
+        return self.best
