@@ -88,7 +88,9 @@ def _cmd_generate(args) -> int:
     elif args.prompt is not None:
         if tok is None:
             raise ValueError(f"{args.target} has no tokenizer: pass --prompt-ids 1,2,3 instead of --prompt")
-        prompts = [tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        from eagle3_jax.decode import encode_chat
+
+        prompts = [encode_chat(tok, [{"role": "user", "content": args.prompt}])
                    if tok.chat_template and not args.raw else tok.encode(args.prompt)]
     else:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
@@ -121,6 +123,14 @@ def _cmd_bench(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from train import pipeline
+
+    cfg = pipeline.load_config(args.config, args.overrides)
+    pipeline.run(args.step, cfg, resume=not args.no_resume)
     return 0
 
 
@@ -159,11 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=_cmd_bench)
+
+    train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")
+    train.add_argument("step", choices=["prepare", "regenerate", "vocab", "fit", "export", "all"])
+    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. fit.lr=1e-4 (anywhere on the line)")
+    train.add_argument("--no-resume", action="store_true", help="fit from scratch even if checkpoints exist")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError, KeyError) as e:

@@ -157,6 +157,12 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
     return _COMPILED[cache_key]
 
 
+def encode_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True)
+    return list(out["input_ids"])
+
+
 def _bucket(n: int, base: int = 32) -> int:
     """Rounds prompt lengths up so that varied prompts share one compilation."""
     return max(base, -(-n // base) * base)

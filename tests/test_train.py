@@ -73,3 +73,44 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert next(straight.data_iter)["input_ids"].tolist() == next(second.data_iter)["input_ids"].tolist()
     assert (tmp_path / "straight" / "best" / "model.safetensors").exists()
     eagle3_jax.load_drafter(tmp_path / "straight" / "best", target=target)
+
+
+def test_end_to_end_pipeline(tmp_path):
+    """prepare → regenerate → vocab → fit → export on the golden target with a BPE tokenizer
+    built here; the exported drafter is official-format and beats an untrained one."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from eagle3_jax.cli import main
+    from eagle3_jax.decode import encode_chat
+    from helpers import arithmetic_conversations, build_tokenizer
+    from train import pipeline
+
+    tok = build_tokenizer(tmp_path / "tok", vocab_size=1024)
+    assert len(tok) == 1024
+    with open(tmp_path / "conv.jsonl", "w") as f:
+        for c in arithmetic_conversations(160, seed=0):
+            f.write(json.dumps(c) + "\n")
+    overrides = [f"tokenizer={tmp_path / 'tok'}", f"data={tmp_path / 'conv.jsonl'}", f"work_dir={tmp_path / 'run'}",
+                 f"target={FIXTURES / 'target_tiny'}", "seq_len=64", "regenerate.max_new_tokens=32",
+                 "fit.steps=200", "fit.ttt_length=3", "fit.save_every=50", "fit.lr=0.003"]
+    assert main(["train", "all", "--config", str(ROOT / "configs" / "tiny.yaml"), *overrides]) == 0
+
+    export = tmp_path / "run" / "export"
+    tensors = load_file(export / "model.safetensors")
+    assert tensors["d2t"].dtype == np.int64 and tensors["t2d"].dtype == bool and "embed_tokens.weight" not in tensors
+    assert tensors["fc.weight"].shape == (128, 384) and tensors["lm_head.weight"].shape == (256, 128)
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 256
+    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "acc_0", "acc_2", "sim_accept_len", "tokens_per_second"} <= set(metrics[-1])
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    trained = eagle3_jax.load_drafter(export, target=target)
+    untrained = pipeline.new_drafter(target, np.load(tmp_path / "run" / "vocab.npz")["d2t"], draft_vocab_size=256)
+    held_out = [encode_chat(tok, [{"role": "user", "content": c["conversations"][0]["value"]}])
+                for c in arithmetic_conversations(12, seed=99)]
+    taus = {name: eagle3_jax.generate(target, d, held_out, max_new_tokens=32, tree=eagle3_jax.TreeConfig(16, 4, 4)).stats["tau"]
+            for name, d in (("trained", trained), ("untrained", untrained))}
+    assert taus["trained"] > taus["untrained"] + 0.1, taus

@@ -15,6 +15,8 @@ import grain
 import numpy as np
 from tqdm.auto import tqdm
 
+from eagle3_jax.decode import encode_chat
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
 
@@ -44,8 +46,7 @@ def load_conversations(path: str | Path) -> list[list[dict]]:
 
 def tokenize(tokenizer, messages: list[dict], *, last_turn_only: bool = False):
     """``(input_ids, loss_mask)`` with the mask on the assistant turns' tokens (template included)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = _encode_prefix(tokenizer, messages, generation_prompt=False)
     mask = np.zeros(len(ids), bool)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for i in assistant[-1:] if last_turn_only else assistant:
@@ -57,9 +58,8 @@ def tokenize(tokenizer, messages: list[dict], *, last_turn_only: bool = False):
     return np.asarray(ids, np.int32), mask
 
 
-def _encode_prefix(tokenizer, messages, generation_prompt: bool):
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+def _encode_prefix(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    return encode_chat(tokenizer, messages, add_generation_prompt=generation_prompt)
 
 
 def to_records(pairs, seq_len: int) -> dict[str, np.ndarray]:
