@@ -61,3 +61,11 @@ def test_generate_with_pallas_is_token_identical():
     got = eagle3_jax.generate(target_pallas, drafter, prompts, max_new_tokens=24, tree=tree)
     assert got.tokens == want.tokens
     assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
+
+
+def test_bench_entry_point_runs(capsys):
+    from pallas_kernels import bench
+
+    bench.main(["--quick", "--interpret"])
+    out = capsys.readouterr().out
+    assert "kernel_ms=" in out and "ref_ms=" in out
