@@ -196,3 +196,16 @@ def test_tree_invariants(k, depth, frac, seed):
     for r in rows:  # every path is a root-to-leaf chain
         r = r[r >= 0]
         assert r[0] == 0 and all(parents[r[i + 1]] == r[i] for i in range(len(r) - 1))
+
+
+def test_cli_generate_prints_tokens_and_tau(capsys):
+    from eagle3_jax.cli import main
+
+    gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
+    ids = ",".join(map(str, gold["p0_prompt"]))
+    assert main(["generate", "--target", str(FIXTURES / "target_tiny"), "--drafter", str(FIXTURES / "drafter_tiny_trained"),
+                 "--prompt-ids", ids, "--max-new-tokens", "16", "--tree", "16,4,4"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0].split()
+    assert [int(x) for x in first] == gold["p0_ea_output_ids"][len(gold["p0_prompt"]):][:16].tolist()
+    assert "tau" in out and "tok/s" in out

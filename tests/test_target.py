@@ -164,3 +164,15 @@ def test_prefill_argument_errors(golden_target):
         golden_target.prefill(np.zeros((2, 4), int), np.array([4]), max_len=32)
     with pytest.raises(ValueError, match="token ids must be in"):
         golden_target.features(np.array([5, 2000]))
+
+
+def test_bfloat16_weights_run_close_to_float32():
+    f32 = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    bf16 = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype="bfloat16")
+    assert bf16.wq[...].dtype == jnp.bfloat16
+    ids = np.random.default_rng(0).integers(0, 1024, size=(1, 12))
+    a, fa = f32.features(ids)
+    b, fb = bf16.features(ids)
+    assert b.dtype == jnp.float32 and fb.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.25 * np.abs(np.asarray(a)).max()
+    assert (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).mean() > 0.5

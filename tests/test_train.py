@@ -114,3 +114,15 @@ def test_end_to_end_pipeline(tmp_path):
     taus = {name: eagle3_jax.generate(target, d, held_out, max_new_tokens=32, tree=eagle3_jax.TreeConfig(16, 4, 4)).stats["tau"]
             for name, d in (("trained", trained), ("untrained", untrained))}
     assert taus["trained"] > taus["untrained"] + 0.1, taus
+
+
+def test_offline_cache_trains_like_online(tmp_path):
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    losses = {}
+    for offline in (False, True):
+        cfg = FitConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, ttt_length=2, offline=offline)
+        drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+        tr = Trainer(target, drafter, _records(), cfg, work_dir=tmp_path / str(offline))
+        losses[offline] = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(3)]
+    assert (tmp_path / "True" / "offline" / "features.npy").exists()
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)

@@ -130,15 +130,19 @@ def load_records(path: str | Path) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
+def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+            cached: dict | None = None):
     """An endless, shuffled, batched grain iterator over this host's share of the records.
 
-    ``iterator.get_state()`` / ``set_state()`` make resumption exact.
+    ``cached`` (offline mode): per-record arrays (memory-mapped target outputs) added to
+    each row by index.  ``iterator.get_state()`` / ``set_state()`` make resumption exact.
     """
     n = len(records["input_ids"])
     if n == 0:
         raise ValueError("no training records (every row lacked assistant tokens?)")
-    rows = [{"input_ids": records["input_ids"][i], "loss_mask": records["loss_mask"][i]}
+    rows = [{"index": i, "input_ids": records["input_ids"][i], "loss_mask": records["loss_mask"][i]}
             for i in range(process_index, n, process_count)]
-    ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None).batch(batch_size, drop_remainder=True)
-    return ds.to_iter_dataset().__iter__()
+    ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None)
+    if cached:
+        ds = ds.map(lambda row: {**row, **{k: np.asarray(v[row["index"]]) for k, v in cached.items()}})
+    return ds.batch(batch_size, drop_remainder=True).to_iter_dataset().__iter__()

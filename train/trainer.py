@@ -41,6 +41,7 @@ class FitConfig:
     save_every: int = 100
     keep: int = 3
     log_every: int = 10
+    offline: bool = False  # run the target once over the data, cache its outputs on disk, train from the cache
 
 
 def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
@@ -49,6 +50,33 @@ def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
                                                   end_value=cfg.lr * cfg.end_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
+
+
+def cache_target_outputs(target, records: dict, directory: Path, batch_size: int = 8) -> dict:
+    """Runs the frozen target once over every record and memory-maps its fused features and
+    final-normed hidden states (``features.npy``, ``hidden.npy``); the logits are recomputed
+    from the hidden by the target's head inside the step.  Reused when already complete."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = records["input_ids"]
+    n, T = ids.shape
+    H = target.config.hidden_size
+    meta = {"n": n, "seq_len": T, "hidden": H, "fingerprint": int(np.asarray(ids, np.int64).sum() % (2 ** 31))}
+    done = directory / "done.json"
+    if not (done.exists() and json.loads(done.read_text()) == meta):
+        dtype = np.dtype(jnp.dtype(target.dtype))
+        feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, 3 * H))
+        hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", dtype, (n, T, H))
+        graph, state = nnx.split(target)
+        run = jax.jit(lambda st, x: nnx.merge(graph, st).trunk(x, jnp.broadcast_to(jnp.arange(T), x.shape))[:2])
+        for i in tqdm(range(0, n, batch_size), desc="cache target outputs"):
+            chunk = ids[i: i + batch_size]
+            padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), T), ids.dtype)])  # one compilation
+            h, f = jax.device_get(run(state, jnp.asarray(padded)))
+            hidden[i: i + len(chunk)], feats[i: i + len(chunk)] = h[: len(chunk)], f[: len(chunk)]
+        feats.flush(), hidden.flush()
+        done.write_text(json.dumps(meta))
+    return {"features": np.load(directory / "features.npy", mmap_mode="r"),
+            "hidden": np.load(directory / "hidden.npy", mmap_mode="r")}
 
 
 class Trainer:
@@ -78,8 +106,9 @@ class Trainer:
         self.step = 0
         if cfg.batch_size % jax.process_count():
             raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} hosts")
-        self.data_iter = data.dataset(records, batch_size=cfg.batch_size // jax.process_count(),
-                                      seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count())
+        cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else None
+        self.data_iter = data.dataset(records, batch_size=cfg.batch_size // jax.process_count(), seed=cfg.seed,
+                                      process_index=jax.process_index(), process_count=jax.process_count(), cached=cached)
         self.ckpt = ocp.CheckpointManager(
             (self.work_dir / "ckpt").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
@@ -99,12 +128,14 @@ class Trainer:
         return jax.tree_util.tree_map_with_path(put, state)
 
     # ------------------------------------------------------------------ step
-    def _step(self, params, opt_state, frozen, tstate, input_ids, loss_mask):
+    def _step(self, params, opt_state, frozen, tstate, input_ids, loss_mask, feats=None, hidden=None):
         cfg = self.cfg
         target = nnx.merge(self.tgraph, tstate)
-        pos = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        logits, feats, _ = target(input_ids, pos)
-        logits, feats = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+        if feats is None:  # online: the frozen target runs inside the step
+            pos = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+            hidden, feats, _ = target.trunk(input_ids, pos)
+        logits = jax.lax.stop_gradient(target.head(hidden))
+        feats = jax.lax.stop_gradient(feats)
 
         def loss_fn(p):
             if cfg.compute_dtype != "float32":
@@ -120,10 +151,13 @@ class Trainer:
 
     def train_step(self, batch):
         """One optimizer step on a host batch ``{input_ids, loss_mask}``; returns metrics."""
-        bs = sharding.batch_sharding(self.mesh)
-        ids = jax.make_array_from_process_local_data(bs, np.asarray(batch["input_ids"], np.int32))
-        mask = jax.make_array_from_process_local_data(bs, np.asarray(batch["loss_mask"], bool))
-        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.frozen, self.tstate, ids, mask)
+        def put(name, dtype=None):
+            x = np.asarray(batch[name], dtype)
+            return jax.make_array_from_process_local_data(sharding.batch_sharding(self.mesh, x.ndim), x)
+
+        extra = (put("features"), put("hidden")) if self.cfg.offline else ()
+        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.frozen, self.tstate,
+                                                                put("input_ids", np.int32), put("loss_mask", bool), *extra)
         self.step += 1
         return metrics
 

@@ -47,16 +47,21 @@ def ttt_attention(q_BxTxNxD, keys, values, scale: float):
     return out.reshape(B, T, N, D)
 
 
+def target_labels(drafter, target_logits_BxTxV):
+    """``(label_logits_BxTxVd, in_vocab_BxT)``: the target's logits on the draft vocabulary
+    and whether its argmax lies inside it."""
+    draft_ids = drafter.to_target_ids(jnp.arange(drafter.config.draft_vocab_size))
+    target_logits = jax.lax.stop_gradient(target_logits_BxTxV.astype(jnp.float32))
+    return target_logits[..., draft_ids], drafter.t2d[jnp.argmax(target_logits, -1)]
+
+
 def ttt_loss(drafter, features_BxTx3H, input_ids_BxT, target_logits_BxTxV, loss_mask_BxT, *, length: int = 7,
              step_weight: float = 0.8):
     """Returns ``(loss, metrics)``; metrics: ``loss_s``, ``acc_s`` per step and the simulated
     acceptance length ``Σ_k Π_{i<=k} acc_i``."""
     cfg = drafter.config
     B, T = input_ids_BxT.shape
-    draft_ids = drafter.to_target_ids(jnp.arange(cfg.draft_vocab_size))
-    target_logits = jax.lax.stop_gradient(target_logits_BxTxV.astype(jnp.float32))
-    label_logits = target_logits[..., draft_ids]  # [B, T, Vd]
-    in_vocab = drafter.t2d[jnp.argmax(target_logits, -1)]  # [B, T]
+    label_logits, in_vocab = target_labels(drafter, target_logits_BxTxV)
     loss_mask = loss_mask_BxT.astype(jnp.float32)
 
     h = drafter.fuse(features_BxTx3H)

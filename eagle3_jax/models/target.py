@@ -78,6 +78,11 @@ class Target(nnx.Module):
 
         Returns ``(logits_BxTxV float32, features_BxTx3H, cache)``.
         """
+        hidden, features, cache = self.trunk(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
+        return self.head(hidden), features, cache
+
+    def trunk(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
+        """The decoder stack: ``(final-normed hidden_BxTxH, features_BxTx3H, cache)``."""
         cfg = self.config
         B, T = tokens_BxT.shape
         if region_mask_BxTxR is None:
@@ -108,12 +113,15 @@ class Target(nnx.Module):
 
         (h, feats, kv), _ = jax.lax.scan(layer, (h, feats, kv), (jnp.arange(cfg.num_layers), stacked))
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("bth,hv->btv", h, head, preferred_element_type=jnp.float32)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
         if cache is not None:
             cache = KVCache(kv[0], kv[1], cache.lengths)
-        return logits, features, cache
+        return h, features, cache
+
+    def head(self, hidden_BxTxH):
+        """float32 logits from the final-normed hidden (tied embeddings when there is no lm_head)."""
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...h,hv->...v", hidden_BxTxH, head, preferred_element_type=jnp.float32)
 
     # ------------------------------------------------------------------ helpers
     def init_cache(self, batch: int, max_len: int) -> KVCache:
