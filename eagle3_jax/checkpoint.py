@@ -12,7 +12,6 @@ import json
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

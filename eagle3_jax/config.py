@@ -66,6 +66,18 @@ def parse_rope(d: dict[str, Any], source: str, default_theta: float = 10000.0) -
     return RopeConfig(**kw)
 
 
+def _decoder_dims(d: dict[str, Any], source: str, default_eps: float, default_max_pos: int) -> dict[str, Any]:
+    """Sizes shared by targets and drafters (``KeyError`` on a missing required key)."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    return dict(hidden_size=hidden, intermediate_size=int(d["intermediate_size"]), num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", default_eps)),
+                max_position_embeddings=int(d.get("max_position_embeddings", default_max_pos)))
+
+
 def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's captured decoder-layer *inputs*: layers 2, L//2 and L-3."""
     return (2, num_layers // 2, num_layers - 3)
@@ -114,12 +126,7 @@ class TargetConfig:
         if family not in FAMILIES:
             archs = d.get("architectures")
             raise ValueError(f"{source}: unknown model_type {family!r} (architectures={archs}); supported: {FAMILIES}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")
         try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
             eos = d.get("eos_token_id")
             eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
             window = d.get("sliding_window")
@@ -128,20 +135,14 @@ class TargetConfig:
             return cls(
                 family=family,
                 vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
                 num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                **_decoder_dims(d, source, 1e-6, 4096),
                 rope=parse_rope(d, source),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
                 o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 qk_norm=family == "qwen3",
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 sliding_window=None if window is None else int(window),
                 capture_layers=tuple(capture_layers) if capture_layers is not None else None,
                 eos_token_ids=eos,
@@ -174,28 +175,18 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")
         try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
             vocab = int(d["vocab_size"])
+            dims = _decoder_dims(d, source, 1e-6, 2048)
             layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             return cls(
                 vocab_size=vocab,
                 draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                **dims,
                 # The drafter's own RoPE: an absent rope_theta means 10000, never the target's.
                 rope=parse_rope(d, source, default_theta=10000.0),
-                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                target_hidden_size=int(d.get("target_hidden_size") or dims["hidden_size"]),
                 capture_layers=tuple(int(i) for i in layers) if layers else None,
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None

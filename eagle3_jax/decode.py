@@ -8,7 +8,6 @@ same stop logic; it is the baseline of every speedup figure.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import kv_cache, layers
+from eagle3_jax import kv_cache
 from eagle3_jax.models.target import check_token_ids
 from eagle3_jax.tree import TreeConfig, expand
 from eagle3_jax.verify import SamplingConfig, sample, verify
