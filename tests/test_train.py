@@ -126,3 +126,13 @@ def test_offline_cache_trains_like_online(tmp_path):
         losses[offline] = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(3)]
     assert (tmp_path / "True" / "offline" / "features.npy").exists()
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+def test_length_buckets_cut_batches():
+    from train import data
+
+    recs = _records(n=32, T=40)
+    recs["lengths"] = np.array([10] * 16 + [35] * 16, np.int32)
+    it = data.dataset(recs, batch_size=4, seed=0, buckets=(16, 32))
+    shapes = {next(it)["input_ids"].shape for _ in range(16)}
+    assert shapes == {(4, 16), (4, 40)}

@@ -131,18 +131,35 @@ def load_records(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
-            cached: dict | None = None):
+            cached: dict | None = None, buckets: tuple[int, ...] = ()):
     """An endless, shuffled, batched grain iterator over this host's share of the records.
 
-    ``cached`` (offline mode): per-record arrays (memory-mapped target outputs) added to
-    each row by index.  ``iterator.get_state()`` / ``set_state()`` make resumption exact.
+    ``buckets``: length bucketing — batches hold rows of one bucket only, cut to that
+    bucket's length (one compilation per bucket); default one bucket of ``seq_len``.
+    ``cached`` (offline mode): per-record arrays (memory-mapped target outputs) added by
+    row index.  ``iterator.get_state()`` / ``set_state()`` make resumption exact.
     """
-    n = len(records["input_ids"])
+    n, seq_len = records["input_ids"].shape
     if n == 0:
         raise ValueError("no training records (every row lacked assistant tokens?)")
-    rows = [{"index": i, "input_ids": records["input_ids"][i], "loss_mask": records["loss_mask"][i]}
-            for i in range(process_index, n, process_count)]
-    ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None)
-    if cached:
-        ds = ds.map(lambda row: {**row, **{k: np.asarray(v[row["index"]]) for k, v in cached.items()}})
-    return ds.batch(batch_size, drop_remainder=True).to_iter_dataset().__iter__()
+    edges = sorted({min(b, seq_len) for b in buckets} | {seq_len})
+    lengths = records.get("lengths", np.full(n, seq_len))
+    rng = np.random.default_rng(seed)
+    batches, carry = [], np.zeros(0, np.int64)
+    for lo, hi in zip([0] + edges[:-1], edges):
+        rows = np.array([i for i in range(process_index, n, process_count) if lo < lengths[i] <= hi], np.int64)
+        rows = np.concatenate([carry, rows[rng.permutation(len(rows))]])  # a bucket's remainder joins the next
+        full = len(rows) // batch_size * batch_size
+        batches += [(hi, rows[s: s + batch_size]) for s in range(0, full, batch_size)]
+        carry = rows[full:]
+    if not batches:
+        raise ValueError(f"fewer than batch_size={batch_size} records per bucket on this host")
+    cached = cached or {}
+
+    def load(batch):
+        length, idx = batch
+        out = {"input_ids": records["input_ids"][idx, :length], "loss_mask": records["loss_mask"][idx, :length]}
+        return {**out, **{k: np.asarray(v[idx, :length]) for k, v in cached.items()}}
+
+    ds = grain.MapDataset.source(batches).shuffle(seed=seed).repeat(None).map(load)
+    return ds.to_iter_dataset().__iter__()

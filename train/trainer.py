@@ -42,6 +42,7 @@ class FitConfig:
     keep: int = 3
     log_every: int = 10
     offline: bool = False  # run the target once over the data, cache its outputs on disk, train from the cache
+    buckets: tuple[int, ...] = ()  # length buckets (batches cut to their bucket's length); () = one of seq_len
 
 
 def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
@@ -108,7 +109,8 @@ class Trainer:
             raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} hosts")
         cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else None
         self.data_iter = data.dataset(records, batch_size=cfg.batch_size // jax.process_count(), seed=cfg.seed,
-                                      process_index=jax.process_index(), process_count=jax.process_count(), cached=cached)
+                                      process_index=jax.process_index(), process_count=jax.process_count(), cached=cached,
+                                      buckets=tuple(cfg.buckets))
         self.ckpt = ocp.CheckpointManager(
             (self.work_dir / "ckpt").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
