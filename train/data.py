@@ -81,11 +81,14 @@ def prepare(conversations, tokenizer, seq_len: int, *, last_turn_only: bool = Fa
 def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens: int, temperature: float = 0.0,
                batch_size: int = 8, seed: int = 0, last_turn_only: bool = False) -> tuple[list, dict]:
     """Replaces every assistant turn by the target's own answer (thinking kept), turn by
-    turn, with batched jitted generation.  Returns the new conversations and records."""
+    turn, with batched jitted generation.  Returns the new conversations (text) and
+    records whose last answer holds the target's *exact* token ids (a decode/encode round
+    trip would hand the drafter token sequences the target never produces)."""
     from eagle3_jax.decode import generate
 
     convs = [[m for m in c if m["role"] != "assistant"] for c in conversations]
     out = [[] for _ in convs]
+    last = [None] * len(convs)  # (prompt ids, generated ids) of each conversation's latest turn
     cursor = [0] * len(convs)
     pending = list(range(len(convs)))
     bar = tqdm(total=sum(sum(m["role"] == "user" for m in c) for c in convs), desc="regenerate")
@@ -99,19 +102,29 @@ def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens
             if cursor[i] < len(convs[i]):
                 out[i].append(convs[i][cursor[i]])
                 cursor[i] += 1
-                ids = _encode_prefix(tokenizer, out[i], generation_prompt=True)[: seq_len - 1]
-                prompts.append(ids)
+                prompts.append(_encode_prefix(tokenizer, out[i], generation_prompt=True)[: seq_len - 1])
                 owners.append(i)
         for s in range(0, len(prompts), batch_size):
             res = generate(target, None, prompts[s: s + batch_size], max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed + s, stop_token_ids=sorted(eos))
-            for i, toks in zip(owners[s: s + batch_size], res.tokens):
-                toks = toks[:-1] if toks and toks[-1] in eos else toks
-                out[i].append({"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=False)})
+            for i, prompt, toks in zip(owners[s: s + batch_size], prompts[s: s + batch_size], res.tokens):
+                text = toks[:-1] if toks and toks[-1] in eos else toks
+                out[i].append({"role": "assistant", "content": tokenizer.decode(text, skip_special_tokens=False)})
+                last[i] = (prompt, toks)
             bar.update(len(res.tokens))
         pending = [i for i in owners if cursor[i] < len(convs[i])]
     bar.close()
-    return out, prepare(out, tokenizer, seq_len, last_turn_only=last_turn_only)
+    pairs = []
+    for msgs, turn in zip(out, last):
+        if turn is None:
+            continue
+        prompt, toks = turn
+        mask = np.zeros(len(prompt), bool)
+        if not last_turn_only and any(m["role"] == "assistant" for m in msgs[:-1]):
+            earlier = tokenize(tokenizer, msgs[:-1])[1][: len(prompt)]  # earlier answers: text spans
+            mask[: len(earlier)] = earlier
+        pairs.append((np.asarray(prompt + toks, np.int32), np.concatenate([mask, np.ones(len(toks), bool)])))
+    return out, to_records(pairs, seq_len)
 
 
 def save_records(records: dict, path: str | Path):
