@@ -83,3 +83,34 @@ def test_ttt_matches_brute_force(length):
     np.testing.assert_allclose(np.asarray(metrics["acc_s"]), want_accs, atol=1e-6)
     np.testing.assert_allclose(float(metrics["sim_accept_len"]), np.cumprod(want_accs).sum(), atol=1e-6)
     assert want_losses.min() > 0
+
+
+def test_ttt_steps_equal_the_inference_chain():
+    """Training-time test simulates inference exactly: the hidden of TTT step s at index t
+    equals the drafter's depth-s draft (teacher-forced) after committed context 0..t."""
+    from eagle3_jax.kv_cache import advance
+    from train.ttt import shift_left, ttt_attention
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    d = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
+    cfg, T, t = d.config, 12, 6
+    ids = np.random.default_rng(0).integers(0, 1024, (1, T))
+    _, feats = target.features(ids)
+    h, keys, vals, hs = d.fuse(feats), [], [], []
+    for s in range(4):
+        cos, sin = d.rope(jnp.arange(T)[None] + s)
+        q, k, v = layers.qkv(d.attn_params(), d.layer_input(h, shift_left(jnp.asarray(ids), 1 + s)), cos, sin,
+                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+        keys.append(k)
+        vals.append(v)
+        h = d.layer_output(h, ttt_attention(q, keys, vals, cfg.head_dim ** -0.5).reshape(1, T, -1) @ d.wo[...])
+        hs.append(h)
+    out, cache = d(feats[:, : t + 1], jnp.asarray(ids[:, 1: t + 2]), jnp.arange(t + 1)[None], cache=d.init_cache(1, 32))
+    cache = advance(cache, jnp.array([t + 1]))
+    np.testing.assert_allclose(out[0, t], hs[0][0, t], atol=1e-5)
+    hid = out[:, t: t + 1]
+    for s in range(1, 4):  # draft step s: sees the context, its s-1 ancestors and itself
+        region = jnp.zeros((1, 1, 4), bool).at[0, 0, :s].set(True)
+        hid, cache = d(hid, jnp.asarray(ids[:, t + 1 + s: t + 2 + s]), jnp.array([[t + s]]), cache=cache,
+                       region_mask_BxTxR=region, write_offset=s - 1)
+        np.testing.assert_allclose(hid[0, 0], hs[s][0, t], atol=1e-4)
