@@ -119,7 +119,7 @@ def _cmd_bench(args) -> int:
         prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts)]
     report = run_bench(target, drafter, prompts, trees=[parse_tree(t) for t in args.tree],
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, batch_size=args.batch_size, seed=args.seed)
+                       top_k=args.top_k, batch_size=args.batch_size, seed=args.seed, repeats=args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
     bench.add_argument("--num-prompts", type=int, default=4, help="random 16-token prompts when --prompts is absent")
     bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=3, help="time each setting as the fastest of N runs")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=_cmd_bench)
 
