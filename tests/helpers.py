@@ -103,39 +103,3 @@ def oracle_drafter(target, prompts, continuation_len: int, seed: int = 0):
 
     return Oracle(), res.tokens
 
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def arithmetic_conversations(n: int, seed: int = 0):
-    """ShareGPT-style conversations about small sums (the answers get regenerated)."""
-    rng = np.random.default_rng(seed)
-    convs = []
-    for _ in range(n):
-        a, b = (int(x) for x in rng.integers(0, 100, 2))
-        convs.append({"conversations": [{"from": "human", "value": f"What is {a} + {b}?"},
-                                        {"from": "gpt", "value": f"{a} + {b} = {a + b}."}]})
-    return convs
-
-
-def build_tokenizer(directory: Path, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer with a chat template, trained offline to ``vocab_size``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = np.random.default_rng(0)
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(3000)]
-    corpus = [f"What is {a} + {b}? {a} + {b} = {a + b}." for a in range(100) for b in range(0, 100, 7)]
-    corpus += [" ".join(words[i: i + 12]) for i in range(0, len(words), 12)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
-    return fast

@@ -83,9 +83,8 @@ def test_end_to_end_pipeline(tmp_path):
     from safetensors.numpy import load_file
 
     from eagle3_jax.cli import main
-    from eagle3_jax.decode import encode_chat
-    from helpers import arithmetic_conversations, build_tokenizer
     from train import pipeline
+    from train.tiny import arithmetic_conversations, build_tokenizer, held_out_taus
 
     tok = build_tokenizer(tmp_path / "tok", vocab_size=1024)
     assert len(tok) == 1024
@@ -109,11 +108,9 @@ def test_end_to_end_pipeline(tmp_path):
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     trained = eagle3_jax.load_drafter(export, target=target)
     untrained = pipeline.new_drafter(target, np.load(tmp_path / "run" / "vocab.npz")["d2t"], draft_vocab_size=256)
-    held_out = [encode_chat(tok, [{"role": "user", "content": c["conversations"][0]["value"]}])
-                for c in arithmetic_conversations(12, seed=99)]
-    taus = {name: eagle3_jax.generate(target, d, held_out, max_new_tokens=32, tree=eagle3_jax.TreeConfig(16, 4, 4)).stats["tau"]
-            for name, d in (("trained", trained), ("untrained", untrained))}
-    assert taus["trained"] > taus["untrained"] + 0.1, taus
+    taus = held_out_taus(target, {"trained": trained, "untrained": untrained}, tok, prompts=12, max_new_tokens=32,
+                         trees=(eagle3_jax.TreeConfig(16, 4, 4),))
+    assert taus["trained 16,4,4"]["tau"] > taus["untrained 16,4,4"]["tau"] + 0.1, taus
 
 
 def test_offline_cache_trains_like_online(tmp_path):
