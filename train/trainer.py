@@ -97,7 +97,7 @@ class Trainer:
         self.tstate = self._place(tstate, tsh)
         self.dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
         dsh = sharding.param_shardings(drafter_mod.param_shapes(drafter.config), sharding.DRAFTER_AXES, self.mesh)
-        self.params = self._place(params, dsh)
+        self.params = self._place(params, dsh, copy=True)
         self.frozen = self._place(frozen, {"embed": NamedSharding(self.mesh, sharding.spec(drafter.embed[...].shape, sharding.DRAFTER_AXES["embed"], self.mesh))})
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         replicated = NamedSharding(self.mesh, P())
@@ -119,13 +119,14 @@ class Trainer:
                                    out_shardings=(self.param_shardings, opt_shardings, None))
         self.best = {"sim_accept_len": -1.0, "step": None}
 
-    def _place(self, state, shardings: dict):
-        """Puts each leaf on its sharding (by parameter name); everything else replicated."""
+    def _place(self, state, shardings: dict, *, copy: bool = False):
+        """Puts each leaf on its sharding (by parameter name); everything else replicated.
+        ``copy``: never alias the caller's arrays (the trainable params are donated)."""
         replicated = NamedSharding(self.mesh, P())
 
         def put(path, x):
             name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
-            return jax.device_put(x, shardings.get(name, replicated), may_alias=False)  # params are donated
+            return jax.device_put(x, shardings.get(name, replicated), may_alias=False if copy else None)
 
         return jax.tree_util.tree_map_with_path(put, state)
 
