@@ -8,7 +8,7 @@ Public API::
     out = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=128)
 """
 
-from eagle3_jax.checkpoint import load_drafter, load_target, save_drafter
+from eagle3_jax.checkpoint import load_drafter, load_target, save_drafter, save_target
 from eagle3_jax.config import DrafterConfig, RopeConfig, TargetConfig
 from eagle3_jax.decode import GenerateResult, generate
 from eagle3_jax.models.drafter import Drafter
@@ -20,4 +20,5 @@ from eagle3_jax.vocab import build_vocab_map
 __all__ = [
     "Drafter", "DrafterConfig", "GenerateResult", "RopeConfig", "SamplingConfig", "Target", "TargetConfig",
     "TreeConfig", "build_vocab_map", "generate", "load_drafter", "load_target", "save_drafter",
+    "save_target",
 ]

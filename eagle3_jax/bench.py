@@ -7,7 +7,12 @@ greedy token identity is checked on every prompt.
 from __future__ import annotations
 
 import json
+import resource
+import time
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 
 from eagle3_jax.decode import generate
 from eagle3_jax.tree import TreeConfig
@@ -40,29 +45,81 @@ def load_prompts(path: str | Path, tokenizer=None) -> list[list[int]]:
     return [list(map(int, p)) for p in data]
 
 
+def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, repeats: int = 20) -> dict:
+    """Milliseconds of one round's parts after prefilling ``prompt``: ``draft`` (the tree
+    expansion, ``depth`` drafter calls) and ``verify`` (the target's tree forward + the
+    acceptance walk), each jitted on its own and timed as the fastest of ``repeats``."""
+    from flax import nnx
+
+    from eagle3_jax.decode import _bucket, _prefill, _stop_array
+    from eagle3_jax.tree import expand
+    from eagle3_jax.verify import SamplingConfig, verify
+
+    T = _bucket(len(prompt))
+    ids = jnp.zeros((1, T), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt, jnp.int32))
+    sampling = SamplingConfig()
+    st = nnx.jit(lambda t, d, ids: _prefill(t, d, ids, jnp.array([len(prompt)]), jax.random.key(0), max_len=T + tree.scratch,
+                                            max_new=1, stops=_stop_array(()), sampling=sampling))(target, drafter, ids)
+    draft = nnx.jit(lambda d, st: expand(d, st.dcache, st.last_hidden, st.root, tree))
+
+    @nnx.jit
+    def check(t, st, tr):
+        logits, _, _ = t(tr.tokens, st.tcache.lengths[:, None] + tr.depth, cache=st.tcache, region_mask_BxTxR=tr.mask)
+        return verify(tr, logits, st.key, sampling, tree.top_k)
+
+    tr = draft(drafter, st)
+
+    def best(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times)
+
+    return {"draft_ms": best(draft, drafter, st), "verify_ms": best(check, target, st, tr)}
+
+
+def peak_memory() -> dict:
+    """Peak device memory where the backend reports it, else the process's peak RSS."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return {"bytes": int(stats["peak_bytes_in_use"]), "source": f"{jax.default_backend()} peak_bytes_in_use"}
+    return {"bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "source": "host peak RSS"}
+
+
 def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, batch_size: int = 1, seed: int = 0, repeats: int = 3,
-              log=print) -> dict:
-    """Runs vanilla and EAGLE-3 per tree budget (each timed as the fastest of ``repeats``
-    runs, compilation excluded); returns a JSON-able report."""
+              grade=None, stop_token_ids=None, log=print) -> dict:
+    """Runs vanilla and EAGLE-3 per tree budget on the same prompts (each timed as the
+    fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
+
+    ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode).
+    """
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     def run(drafter_, tree):
         tokens, seconds, stats = [], 0.0, []
         for i in range(0, len(prompts), batch_size):
             runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, tree=tree,
-                             **sampling) for _ in range(repeats)]
+                             stop_token_ids=stop_token_ids, **sampling) for _ in range(repeats)]
             tokens += runs[0].tokens
             seconds += min(r.stats["seconds"] for r in runs)
             stats.append(runs[0].stats)
         return tokens, seconds, stats
 
+    def accuracy(tokens):
+        return None if grade is None else sum(grade(i, t) for i, t in enumerate(tokens)) / len(tokens)
+
     base_tokens, base_s, _ = run(None, TreeConfig())
     n_base = sum(map(len, base_tokens))
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts),
                            "repeats": repeats, **sampling},
-              "vanilla": {"tokens": n_base, "seconds": base_s, "tokens_per_second": n_base / base_s}, "eagle3": []}
-    log(f"vanilla: {n_base} tokens in {base_s:.2f}s = {n_base / base_s:.1f} tok/s")
+              "vanilla": {"tokens": n_base, "seconds": base_s, "tokens_per_second": n_base / base_s,
+                          "accuracy": accuracy(base_tokens)}, "eagle3": []}
+    log(f"[T={temperature}] vanilla: {n_base} tokens in {base_s:.2f}s = {n_base / base_s:.1f} tok/s"
+        + (f", accuracy {report['vanilla']['accuracy']:.3f}" if grade else ""))
     for tree in trees:
         tokens, s, stats = run(drafter, tree)
         n = sum(map(len, tokens))
@@ -70,14 +127,56 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         rounds = len(acc)
         positions = tree.path_len - 1
         rate = [sum(a >= i for a in acc) / max(sum(a >= i - 1 for a in acc), 1) for i in range(1, positions + 1)]
+        parts = round_parts(target, drafter, prompts[0], tree)
         entry = {
-            "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+            "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
             "tokens": n, "seconds": s, "tokens_per_second": n / s, "speedup": (n / s) / (n_base / base_s),
             "tau": sum(a + 1 for a in acc) / max(rounds, 1), "rounds": rounds, "acceptance_rate": rate,
+            "round_ms": 1e3 * s / max(rounds, 1), **parts, "accuracy": accuracy(tokens),
             "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
         }
         report["eagle3"].append(entry)
-        log(f"eagle3 {tree.total_tokens},{tree.depth},{tree.top_k}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
-            f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}"
+        log(f"[T={temperature}] eagle3 {tree_name(tree)}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
+            f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, round {entry['round_ms']:.2f} ms "
+            f"(draft {parts['draft_ms']:.2f}, verify {parts['verify_ms']:.2f})"
+            + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
+    report["peak_memory"] = peak_memory()
     return report
+
+
+def tree_name(tree: TreeConfig) -> str:
+    return f"chain{tree.total_tokens - 1}" if tree.top_k == 1 and tree.total_tokens == tree.path_len else \
+        f"{tree.total_tokens},{tree.depth},{tree.top_k}"
+
+
+def write_figure(reports: list[dict], path: str | Path):
+    """PNG: speedup and τ per tree budget (one bar group per temperature), and the
+    acceptance rate per draft position (one line per budget, greedy report first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = [e["tree"]["name"] for e in reports[0]["eagle3"]]
+    width = 0.8 / len(reports)
+    for j, rep in enumerate(reports):
+        x = [i + j * width for i in range(len(names))]
+        label = f"T={rep['settings']['temperature']}"
+        ax1.bar(x, [e["speedup"] for e in rep["eagle3"]], width, label=label)
+        ax2.bar(x, [e["tau"] for e in rep["eagle3"]], width, label=label)
+    for ax, title in ((ax1, "speedup over vanilla (×)"), (ax2, "τ (tokens per round)")):
+        ax.set_xticks([i + width * (len(reports) - 1) / 2 for i in range(len(names))], names)
+        ax.set_title(title)
+        ax.legend()
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    for e in reports[0]["eagle3"]:
+        ax3.plot(range(1, len(e["acceptance_rate"]) + 1), e["acceptance_rate"], marker="o", label=e["tree"]["name"])
+    ax3.set_title(f"acceptance per draft position (T={reports[0]['settings']['temperature']})")
+    ax3.set_xlabel("draft position")
+    ax3.set_ylim(0, 1.02)
+    ax3.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

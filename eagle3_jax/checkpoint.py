@@ -338,31 +338,74 @@ def _check_vocab_map(d2t: np.ndarray, t2d, cfg: DrafterConfig, path: Path):
             raise ValueError(f"{path}: tensor 't2d' disagrees with 'd2t' (it must mark exactly the mapped target ids)")
 
 
-def save_drafter(drafter, path) -> Path:
+def save_drafter(drafter, path, *, dtype="float32") -> Path:
     """Writes ``config.json`` + ``model.safetensors`` in the official EAGLE-3 layout
     (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` as PyTorch
-    ``[out, in]`` float32, ``d2t`` int64, ``t2d`` bool), loadable by SGLang and vLLM.
+    ``[out, in]`` in ``dtype``, ``d2t`` int64, ``t2d`` bool), loadable by SGLang and vLLM.
     ``embed_tokens.weight`` is written only when the drafter owns its embedding.
     """
-    from safetensors.numpy import save_file
-
     from eagle3_jax.models.drafter import param_shapes
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config
+    dtype = resolve_dtype(dtype)
     tensors = {}
     for name in param_shapes(cfg):
         hf, transpose = _DRAFTER_NAMES[name]
-        arr = np.asarray(getattr(drafter, name)[...].astype(jnp.float32))
-        tensors[hf] = np.ascontiguousarray(arr.T if transpose else arr)
+        arr = getattr(drafter, name)[...].astype(dtype)
+        tensors[hf] = arr.T if transpose else arr
     if cfg.has_vocab_map:
-        tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)
-        tensors["t2d"] = np.asarray(drafter.t2d)
+        tensors["d2t"] = jnp.asarray(np.asarray(drafter.d2t[...]).astype(np.int64))
+        tensors["t2d"] = jnp.asarray(drafter.t2d)
     if drafter.own_embedding:
-        tensors["embed_tokens.weight"] = np.asarray(drafter.embed[...].astype(jnp.float32))
+        tensors["embed_tokens.weight"] = drafter.embed[...].astype(dtype)
+    return _write(path, tensors, {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name})
+
+
+def save_target(target, path, *, dtype="float32", tokenizer=None) -> Path:
+    """Writes a Hugging Face checkpoint (``config.json``, ``model.safetensors`` with
+    ``LlamaForCausalLM`` names, and the tokenizer when given) that both
+    :func:`load_target` and transformers load.  Llama-architecture targets only."""
+    from eagle3_jax.models.target import param_shapes
+
+    cfg = target.config
+    if cfg.family != "llama" or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm:
+        raise ValueError(f"save_target writes plain Llama checkpoints; this target is {cfg.family!r}")
+    dtype = resolve_dtype(dtype)
+    tensors = {}
+    for name, shape in param_shapes(cfg).items():
+        if shape is None:
+            continue
+        value = getattr(target, name)[...].astype(dtype)
+        if name in _TARGET_TOP_NAMES:
+            hf, transpose = _TARGET_TOP_NAMES[name]
+            tensors[hf] = value.T if transpose else value
+        else:
+            hf, transpose = _TARGET_LAYER_NAMES[name]
+            for i in range(cfg.num_layers):
+                tensors[f"model.layers.{i}.{hf}"] = value[i].T if transpose else value[i]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope.theta, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+        "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": jnp.dtype(dtype).name,
+    }
+    path = _write(path, tensors, config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def _write(path, tensors: dict, config: dict) -> Path:
+    """``model.safetensors`` (written atomically: never a half-written checkpoint) + ``config.json``."""
+    from safetensors.flax import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")  # atomic: never a half-written checkpoint
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -69,16 +69,10 @@ def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int) -> _State:
     return dataclasses.replace(st, out=out, n_out=n_out, done=done)
 
 
-def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int,
-         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None):
-    target = nnx.merge(tgraph, tstate)
-    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+def _prefill(target, drafter, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int, stops, sampling) -> _State:
+    """Runs the prompts through the target (and the drafter) and emits the first token."""
     B, T = prompt_BxT.shape
-    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
     bidx = jnp.arange(B)
-    max_rounds = max_new
-
-    # ---- prefill
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     logits, feats, tcache = target(prompt_BxT, pos, cache=target.init_cache(B, max_len))
     tcache = kv_cache.advance(tcache, lengths_B)
@@ -92,8 +86,23 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
         dcache = kv_cache.advance(dcache, lengths_B)
         last_hidden = dout[bidx, lengths_B - 1]
     st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, max_new), jnp.int32), jnp.zeros((B,), jnp.int32),
-                jnp.zeros((B,), bool), jnp.full((B, max_rounds), -1, jnp.int32), jnp.int32(0), key)
-    st = _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new)
+                jnp.zeros((B,), bool), jnp.full((B, max_new), -1, jnp.int32), jnp.int32(0), key)  # ≤ one round per token
+    return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new)
+
+
+def _stop_array(stop_ids: tuple[int, ...]):
+    return jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+
+
+def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int,
+         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None):
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    stops = _stop_array(stop_ids)
+    bidx = jnp.arange(prompt_BxT.shape[0])
+    max_rounds = max_new
+    st = _prefill(target, drafter, prompt_BxT, lengths_B, key, max_len=max_len, max_new=max_new, stops=stops,
+                  sampling=sampling)
 
     def vanilla_round(st: _State) -> _State:
         logits, _, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
@@ -203,7 +212,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         if tree.top_k > drafter.config.draft_vocab_size:
             raise ValueError(f"tree.top_k={tree.top_k} exceeds the draft vocabulary ({drafter.config.draft_vocab_size})")
     T = _bucket(max(s.size for s in seqs))
-    scratch = 1 if drafter is None else max(tree.total_tokens, tree.depth * tree.top_k, tree.path_len)
+    scratch = 1 if drafter is None else tree.scratch
     max_len = T + max_new_tokens + scratch
     if max_len > target.config.max_position_embeddings:
         raise ValueError(f"prompt ({max(s.size for s in seqs)}) + max_new_tokens ({max_new_tokens}) exceeds the "

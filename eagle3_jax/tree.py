@@ -49,6 +49,11 @@ class TreeConfig:
         """Longest root-to-leaf path in nodes (root + depth + 1 drafted levels)."""
         return self.depth + 2
 
+    @property
+    def scratch(self) -> int:
+        """Cache slots a round needs past the committed prefix (tree nodes or expansion keys)."""
+        return max(self.total_tokens, self.depth * self.top_k, self.path_len)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

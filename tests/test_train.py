@@ -84,9 +84,9 @@ def test_end_to_end_pipeline(tmp_path):
 
     from eagle3_jax.cli import main
     from train import pipeline
-    from train.tiny import arithmetic_conversations, build_tokenizer, held_out_taus
+    from train.tiny import arithmetic_conversations, arithmetic_corpus, build_tokenizer, held_out_taus
 
-    tok = build_tokenizer(tmp_path / "tok", vocab_size=1024)
+    tok = build_tokenizer(tmp_path / "tok", arithmetic_corpus(), vocab_size=1024)
     assert len(tok) == 1024
     with open(tmp_path / "conv.jsonl", "w") as f:
         for c in arithmetic_conversations(160, seed=0):

@@ -162,6 +162,7 @@ def _fit(cfg, work: Path, *, resume: bool = True):
     trainer = Trainer(target, drafter, data.load_records(work / "regenerated.npz"), FitConfig(**cfg["fit"]),
                       work_dir=work, mesh=make_mesh(**cfg["mesh"]))
     best = trainer.fit(resume=resume)
+    (work / "best.json").write_text(json.dumps(best) + "\n")
     print(f"best simulated acceptance length {best['sim_accept_len']:.3f} at step {best['step']}")
 
 

@@ -31,26 +31,32 @@ def arithmetic_conversations(n: int, seed: int = 0) -> list[dict]:
     return convs
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer with a chat template, trained offline to ``vocab_size``."""
+def build_tokenizer(directory: Path, corpus: list[str], vocab_size: int = 1024, added_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained offline on ``corpus`` to ``vocab_size``, with the chat
+    template; ``added_tokens`` (e.g. ``<think>``) are whole tokens that decoding keeps."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    rng = np.random.default_rng(0)
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(3000)]
-    corpus = [f"What is {a} + {b}? {a} + {b} = {a + b}." for a in range(100) for b in range(0, 100, 7)]
-    corpus += [" ".join(words[i: i + 12]) for i in range(0, len(words), 12)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+    specials = ["<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(added_tokens), special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens(list(added_tokens))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
+
+
+def arithmetic_corpus() -> list[str]:
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(3000)]
+    corpus = [f"What is {a} + {b}? {a} + {b} = {a + b}." for a in range(100) for b in range(0, 100, 7)]
+    return corpus + [" ".join(words[i: i + 12]) for i in range(0, len(words), 12)]
 
 
 def held_out_taus(target, drafters: dict, tokenizer, *, prompts: int = 32, max_new_tokens: int = 48, trees=None) -> dict:
@@ -82,7 +88,7 @@ def main(argv=None):
     work = Path(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    tok = build_tokenizer(work / "tok")
+    tok = build_tokenizer(work / "tok", arithmetic_corpus())
     with open(work / "conv.jsonl", "w") as f:
         for c in arithmetic_conversations(args.conversations, seed=0):
             f.write(json.dumps(c) + "\n")

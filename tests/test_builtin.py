@@ -1,0 +1,183 @@
+"""The built-in pair: task generation and grading, Llama export, the shipped files, the
+main job (`eagle3-jax generate "PROMPT"`), the bench, and a scaled-down run of the recipe."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import eagle3_jax
+from eagle3_jax import builtin
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.decode import encode_chat
+from eagle3_jax.models.target import Target
+
+
+def test_tasks_are_reproducible_correct_and_graded():
+    tasks = builtin.make_tasks(40, seed=3)
+    assert tasks == builtin.make_tasks(40, seed=3) and tasks != builtin.make_tasks(40, seed=4)
+    for t in tasks:
+        if t.family == "arith":  # the answer is the prompt's expression, evaluated independently
+            expr = re.search(r"(\d+(?: [+-] \d)+)", t.prompt).group(1)
+            assert int(t.answer) == eval(expr)  # noqa: S307 (digits and +/- only)
+        else:
+            items = t.prompt.split(": ", 1)[1].rstrip(".").split(", ")
+            assert t.answer.split(", ") == items[::-1]
+        assert builtin.grade(t, t.response())
+        assert builtin.grade(dataclass_dict(t), t.response(think_lines=1))  # the answer line decides
+        assert not builtin.grade(t, t.response().replace(t.final_line(), "The answer is 1000."))
+        assert not builtin.grade(t, t.response().split(builtin.THINK_CLOSE)[0])  # no answer at all
+    thinking, answer = builtin.split_response(tasks[0].response())
+    assert thinking.startswith("Start with") and answer == tasks[0].final_line()
+
+
+def dataclass_dict(task):
+    import dataclasses
+
+    return dataclasses.asdict(task)
+
+
+def _tiny_llama(vocab=96):
+    cfg = TargetConfig.from_dict(dict(model_type="llama", hidden_size=64, num_hidden_layers=8, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                      max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=[1]))
+    model = Target(cfg, rngs=nnx.Rngs(0))
+    # non-trivial norms, so that a transposed or swapped tensor cannot go unnoticed
+    model.attn_norm.set_value(1 + 0.1 * jax.random.normal(jax.random.key(1), model.attn_norm.shape))
+    return model
+
+
+def test_save_target_round_trips_and_loads_in_transformers(tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = _tiny_llama()
+    eagle3_jax.save_target(model, tmp_path / "t")
+    back = eagle3_jax.load_target(tmp_path / "t")
+    for name in ("embed", "wq", "wk", "wo", "w_gate", "w_down", "attn_norm", "norm"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)[...]), np.asarray(getattr(model, name)[...]))
+    ids = np.random.default_rng(0).integers(0, 96, (1, 12))
+    ours, _ = model.features(ids)
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "t")).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+    eagle3_jax.save_target(model, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(eagle3_jax.load_target(tmp_path / "bf16").wq[...]),
+                                  np.asarray(model.wq[...].astype(jnp.bfloat16)))
+
+
+def test_save_target_refuses_what_it_cannot_write(tmp_path):
+    cfg = TargetConfig.from_dict(dict(model_type="qwen2", hidden_size=32, num_hidden_layers=8, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(ValueError, match="qwen2"):
+        eagle3_jax.save_target(Target(cfg, rngs=nnx.Rngs(0)), tmp_path / "q")
+
+
+# ---------------------------------------------------------------- the shipped pair
+def test_shipped_pair_files_and_formats():
+    from safetensors import safe_open
+
+    assert builtin.available()
+    size = sum(p.stat().st_size for p in builtin.ASSETS.rglob("*") if p.is_file())
+    assert size <= 30 * 2 ** 20, f"{size / 2 ** 20:.1f} MB"
+    tcfg = json.loads((builtin.TARGET_DIR / "config.json").read_text())
+    assert tcfg["architectures"] == ["LlamaForCausalLM"] and tcfg["num_hidden_layers"] >= 8
+    assert (builtin.TARGET_DIR / "tokenizer.json").exists()
+    dcfg = json.loads((builtin.DRAFTER_DIR / "config.json").read_text())
+    assert dcfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert dcfg["draft_vocab_size"] < dcfg["vocab_size"] == tcfg["vocab_size"]
+    with safe_open(str(builtin.DRAFTER_DIR / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+        assert f.get_tensor("d2t").dtype == np.int64 and f.get_tensor("t2d").dtype == bool
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    tasks = builtin.eval_tasks()
+    assert len(tasks) >= 32 and {t["family"] for t in tasks} == set(builtin.FAMILIES)
+    train_prompts = {t.prompt for t in builtin.make_tasks(4000, 0)}
+    assert sum(t["prompt"] in train_prompts for t in tasks) <= 2  # held out (tiny tasks can coincide by chance)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return builtin.load()
+
+
+def test_shipped_target_matches_transformers(pair):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    target, _, tok = pair
+    ids = np.asarray([encode_chat(tok, [{"role": "user", "content": builtin.eval_tasks()[0]["prompt"]}])])
+    ours, _ = target.features(ids)
+    hf = LlamaForCausalLM.from_pretrained(str(builtin.TARGET_DIR), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_shipped_pair_greedy_matches_vanilla(pair):
+    target, drafter, tok = pair
+    tasks = builtin.eval_tasks()[:4]
+    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    base = eagle3_jax.generate(target, None, prompts, max_new_tokens=64)
+    fast = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=64, tree=eagle3_jax.TreeConfig.chain(6))
+    assert fast.tokens == base.tokens
+    assert fast.stats["tau"] > 2.0  # a trained drafter, not a random one (random: τ ≈ 1)
+    assert all(tok.decode(t).startswith(builtin.THINK_OPEN) for t in base.tokens)
+
+
+def test_main_job_answers_a_prompt(capsys):
+    from eagle3_jax.cli import main
+
+    assert main(["generate", "Compute 23 + 7 - 4 + 9.", "--max-new-tokens", "96"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Thinking:\n") and "\nAnswer:\n" in out
+    assert re.search(r"tau [\d.]+ over \d+ rounds", out) and "speedup" in out and "identical to vanilla: True" in out
+
+
+def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
+    from eagle3_jax.cli import main
+
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["bench", "--num-prompts", "2", "--tree", "chain4", "--max-new-tokens", "48",
+                 "--json", str(js), "--figure", str(png)]) == 0
+    doc = json.loads(js.read_text())
+    greedy, sampled = doc["reports"]
+    assert greedy["settings"]["temperature"] == 0.0 and sampled["settings"]["temperature"] == 0.7
+    e = greedy["eagle3"][0]
+    assert e["identical_to_vanilla"] and e["accuracy"] == greedy["vanilla"]["accuracy"]
+    assert e["draft_ms"] > 0 and e["verify_ms"] > 0 and len(e["acceptance_rate"]) == 4
+    assert doc["reports"][0]["peak_memory"]["bytes"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- the recipe, scaled down
+def test_recipe_runs_end_to_end_scaled_down(tmp_path):
+    """Every stage of `python -m train.builtin` on a tiny budget: the code path the shipped
+    pair came from (tokenizer → target → export → drafter pipeline → metrics)."""
+    from train import builtin as recipe_mod
+
+    recipe = recipe_mod.Recipe(vocab_size=512, hidden_size=64, num_layers=8, intermediate_size=128, num_heads=2,
+                               num_kv_heads=1, target_tasks=300, target_steps=3, warmup_steps=1, seq_len=64, drafter_conversations=24,
+                               eval_tasks=4, budgets=(0, 8))
+    work = tmp_path / "work"
+    work.mkdir()
+    tok = recipe_mod.build_tokenizer(work, recipe)
+    assert len(tok) == 512 and tok.convert_tokens_to_ids(builtin.THINK_CLOSE) != tok.unk_token_id
+    model = recipe_mod.train_target(work, recipe, tok)
+    recipe_mod.export_target(model, tok, work / "target")
+    recipe_mod.train_drafter(work, recipe, ["fit.steps=2", "fit.save_every=2", "fit.buckets=[64]",
+                                            "regenerate.max_new_tokens=16", "draft_vocab_size=128"])
+    target = eagle3_jax.load_target(work / "target", dtype="float32")
+    drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
+    tasks = recipe_mod.write_eval_set(work / "eval.json", recipe)
+    metrics = recipe_mod.evaluate(target, drafter, tok, tasks, recipe.budgets, max_new_tokens=16)
+    assert set(metrics["accuracy_by_thinking_budget"]) == {"0", "8", "unlimited"}
+    assert all(v["identical_to_vanilla"] for v in metrics["greedy"].values())

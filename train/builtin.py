@@ -1,0 +1,263 @@
+"""The recipe of the built-in pair (``eagle3_jax.builtin``): one command retrains the
+reasoning target and its EAGLE-3 drafter from scratch on a CPU, then reports their metrics.
+
+    python -m train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
+
+Stages (each resumes from ``work_dir`` when re-run): a byte-level BPE tokenizer trained on
+the task text; the target, a 16-layer Llama trained as a causal LM on generated tasks
+(loss on the assistant turn; a fifth of the examples cut their thinking short, so that the
+model answers whatever thinking it was allowed); the drafter, by the project's own
+pipeline (``configs/builtin.yaml``: regenerate → vocab → fit → export); then the held-out
+metrics (accuracy per thinking budget, drafter τ) written to ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from eagle3_jax import builtin
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    seed: int = 0
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 16
+    intermediate_size: int = 688
+    num_heads: int = 4
+    num_kv_heads: int = 1
+    max_position_embeddings: int = 512
+    target_tasks: int = 40_000       # generated training tasks (the stream is sampled from them)
+    cut_fraction: float = 0.2        # share of examples whose thinking is cut short
+    target_steps: int = 1100
+    target_batch: int = 8
+    seq_len: int = 128
+    target_lr: float = 2e-3
+    warmup_steps: int = 100
+    drafter_conversations: int = 4000
+    eval_tasks: int = 64
+    budgets: tuple[int, ...] = (0, 8, 16, 32, 64)  # thinking tokens allowed (plus unlimited)
+
+
+# ------------------------------------------------------------------ tokenizer
+def build_tokenizer(work: Path, recipe: Recipe):
+    from train.tiny import build_tokenizer as bpe
+
+    if (work / "tokenizer" / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(work / "tokenizer"), local_files_only=True)
+    tasks = builtin.make_tasks(20_000, recipe.seed + 1)
+    corpus = [f"{t.prompt} {t.response()}".replace(builtin.THINK_OPEN, "").replace(builtin.THINK_CLOSE, "") for t in tasks]
+    corpus += [" ".join(builtin.lexicon()[i:i + 10]) for i in range(0, len(builtin.lexicon()), 10)]
+    return bpe(work / "tokenizer", corpus, recipe.vocab_size, added_tokens=(builtin.THINK_OPEN, builtin.THINK_CLOSE))
+
+
+def training_text(recipe: Recipe, n: int, seed: int) -> list[list[dict]]:
+    """Chat conversations for ``n`` tasks; ``cut_fraction`` of them think only part of the way."""
+    rng = np.random.default_rng(seed + 7)
+    convs = []
+    for task in builtin.make_tasks(n, seed):
+        cut = int(rng.integers(0, len(task.steps))) if rng.random() < recipe.cut_fraction else None
+        convs.append([{"role": "user", "content": task.prompt}, {"role": "assistant", "content": task.response(cut)}])
+    return convs
+
+
+# ------------------------------------------------------------------ target
+def target_config(recipe: Recipe, tok):
+    from eagle3_jax.config import TargetConfig
+
+    return TargetConfig.from_dict(dict(
+        model_type="llama", hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
+        intermediate_size=recipe.intermediate_size, num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads, vocab_size=len(tok), tie_word_embeddings=True,
+        max_position_embeddings=recipe.max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
+        eos_token_id=[tok.eos_token_id]), source="recipe")
+
+
+def lm_stream(convs, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All conversations back to back: ``(ids, loss_mask, example_starts)``."""
+    from train.data import tokenize
+
+    pairs = [tokenize(tok, c) for c in tqdm(convs, desc="tokenize")]
+    starts = np.cumsum([0] + [len(i) for i, _ in pairs[:-1]])
+    return np.concatenate([i for i, _ in pairs]), np.concatenate([m for _, m in pairs]), starts
+
+
+def train_target(work: Path, recipe: Recipe, tok):
+    """Trains the target as a causal LM; windows start at an example boundary and run on
+    into the next examples.  Checkpoints every 100 steps; a re-run resumes."""
+    from eagle3_jax.models.target import Target
+
+    cfg = target_config(recipe, tok)
+    model = Target(cfg, rngs=nnx.Rngs(recipe.seed))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    ids, mask, starts = lm_stream(training_text(recipe, recipe.target_tasks, recipe.seed), tok)
+    T, B = recipe.seq_len, recipe.target_batch
+    starts = starts[starts + T + 1 <= len(ids)]
+    schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.target_lr, recipe.warmup_steps, recipe.target_steps,
+                                                  recipe.target_lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
+    opt_state = opt.init(params)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    @jax.jit
+    def step(params, opt_state, x_BxT1, m_BxT):
+        def loss_fn(p):
+            logits_BxTxV, _, _ = nnx.merge(graph, p, rest)(x_BxT1[:, :-1], pos)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, x_BxT1[:, 1:])
+            return (ce * m_BxT).sum() / jnp.maximum(m_BxT.sum(), 1)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    ckpt = ocp.CheckpointManager((work / "target_ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=1))
+    first = 0
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(
+            {"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
+        nnx.replace_by_pure_dict(params, state["params"])
+        opt_state, first = state["opt_state"], ckpt.latest_step()
+    bar = tqdm(range(first, recipe.target_steps), initial=first, total=recipe.target_steps, desc="target")
+    log = open(work / "target_metrics.jsonl", "a")
+    for s in bar:
+        rows = np.random.default_rng([recipe.seed, s]).choice(starts, B)
+        window = ids[rows[:, None] + np.arange(T + 1)]
+        wmask = mask[rows[:, None] + np.arange(1, T + 1)]
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(window, jnp.int32), jnp.asarray(wmask, jnp.float32))
+        if (s + 1) % 20 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+            log.write(json.dumps({"step": s + 1, "loss": float(loss)}) + "\n")
+            log.flush()
+        if (s + 1) % 100 == 0 or s + 1 == recipe.target_steps:
+            ckpt.save(s + 1, args=ocp.args.StandardSave({"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
+    ckpt.wait_until_finished()
+    return nnx.merge(graph, params, rest)
+
+
+def export_target(model, tok, path: Path):
+    from eagle3_jax.checkpoint import save_target
+
+    save_target(model, path, dtype="bfloat16", tokenizer=tok)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id, "do_sample": False}) + "\n")
+
+
+# ------------------------------------------------------------------ drafter
+def train_drafter(work: Path, recipe: Recipe, overrides=()):
+    """The project's own pipeline on the exported target: regenerate → vocab → fit → export."""
+    from train import pipeline
+
+    data = work / "drafter_conversations.jsonl"
+    with open(data, "w") as f:
+        for conv in training_text(Recipe(cut_fraction=0.0), recipe.drafter_conversations, recipe.seed + 2):
+            f.write(json.dumps({"conversations": conv}) + "\n")
+    cfg = pipeline.load_config(ROOT / "configs" / "builtin.yaml", [
+        f"target={work / 'target'}", f"data={data}", f"work_dir={work / 'drafter_run'}",
+        f"export_dir={work / 'drafter'}", *overrides])
+    pipeline.run("all", cfg)
+
+
+# ------------------------------------------------------------------ evaluation
+def answer_with_budget(target, tok, tasks: list[dict], budget: int | None, max_new_tokens: int = 256) -> list[str]:
+    """Greedy responses when thinking may use at most ``budget`` tokens (None: unlimited):
+    past the budget, ``</think>`` is forced and the model answers from what it has."""
+    from eagle3_jax.decode import encode_chat, generate
+
+    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    if budget is None:
+        return [tok.decode(t) for t in generate(target, None, prompts, max_new_tokens=max_new_tokens).tokens]
+    opened = [p + tok.encode(builtin.THINK_OPEN + "\n") for p in prompts]
+    thoughts = generate(target, None, opened, max_new_tokens=budget).tokens if budget else [[] for _ in prompts]
+    forced = []
+    for t in thoughts:
+        text = tok.decode(t)
+        forced.append(t if builtin.THINK_CLOSE in text else
+                      t + tok.encode(("" if text.endswith("\n") or not text else "\n") + builtin.THINK_CLOSE + "\n"))
+    finals = generate(target, None, [o + f for o, f in zip(opened, forced)], max_new_tokens=24).tokens
+    return [builtin.THINK_OPEN + "\n" + tok.decode(f if tok.eos_token_id in t else f + final)
+            for t, f, final in zip(thoughts, forced, finals)]
+
+
+def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256) -> dict:
+    """Accuracy per thinking budget (vanilla greedy), and greedy τ / identity with the drafter."""
+    import eagle3_jax
+    from eagle3_jax.decode import encode_chat
+
+    acc = {}
+    for b in [*budgets, None]:
+        texts = answer_with_budget(target, tok, tasks, b, max_new_tokens)
+        acc["unlimited" if b is None else str(b)] = float(np.mean([builtin.grade(t, x) for t, x in zip(tasks, texts)]))
+    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=max_new_tokens)
+    taus = {}
+    for tree in (eagle3_jax.TreeConfig.chain(4), eagle3_jax.TreeConfig.chain(6), eagle3_jax.TreeConfig(16, 4, 4)):
+        res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tree=tree)
+        taus[f"{tree.total_tokens},{tree.depth},{tree.top_k}"] = {
+            "tau": res.stats["tau"], "identical_to_vanilla": res.tokens == vanilla.tokens}
+    return {"accuracy_by_thinking_budget": acc, "greedy": taus}
+
+
+def write_eval_set(path: Path, recipe: Recipe):
+    tasks = [dataclasses.asdict(t) for t in builtin.make_tasks(recipe.eval_tasks, builtin.EVAL_SEED)]
+    path.write_text(json.dumps(tasks, indent=1) + "\n")
+    return tasks
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="retrain the built-in target and drafter from scratch")
+    p.add_argument("--work-dir", default="runs/builtin")
+    p.add_argument("--out", default=str(builtin.ASSETS), help="where the pair is installed (the package's assets)")
+    p.add_argument("--target-steps", type=int, default=Recipe.target_steps)
+    p.add_argument("--stage", choices=["all", "target", "drafter", "eval"], default="all")
+    p.add_argument("overrides", nargs="*", help="drafter config overrides, e.g. fit.steps=400")
+    args = p.parse_args(argv)
+    recipe = Recipe(target_steps=args.target_steps)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    tok = build_tokenizer(work, recipe)
+    if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
+        export_target(train_target(work, recipe, tok), tok, work / "target")
+        print(f"target trained: {time.time() - start:.0f} s")
+    if args.stage in ("all", "drafter") and not (work / "drafter" / "config.json").exists():
+        train_drafter(work, recipe, args.overrides)
+        print(f"drafter trained: {time.time() - start:.0f} s")
+    if args.stage in ("all", "eval"):
+        import eagle3_jax
+
+        tasks = write_eval_set(work / "eval.json", recipe)
+        target = eagle3_jax.load_target(work / "target", dtype="float32")
+        drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
+        metrics = evaluate(target, drafter, tok, tasks, recipe.budgets)
+        best = json.loads((work / "drafter_run" / "best.json").read_text())
+        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=best, seconds=time.time() - start)
+        (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print(json.dumps(metrics, indent=2))
+        out = Path(args.out)
+        for name in ("target", "drafter"):
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(work / name, out / name)
+        for name in ("eval.json", "metrics.json"):
+            shutil.copy(work / name, out / name)
+        print(f"installed the pair under {out}")
+
+
+if __name__ == "__main__":
+    main()
