@@ -4,13 +4,16 @@ EAGLE-3 drafter, shipped in the package so that the main job runs offline.
 The target answers two task families with a ``<think> … </think>`` phase, then a final
 line that :func:`grade` checks:
 
-* **arith**: a running sum, e.g. ``Compute 23 + 7 - 4 + 9.`` → one line per operation
-  (``Add 7: 23 + 7 = 30.``) → ``The answer is 35.``
+* **arith**: repeated addition or subtraction, e.g. ``Start at 17 and add 3, 4 times.`` →
+  one line per step (``Step 2: 20 + 3 = 23.``) → ``The answer is 29.``
 * **reverse**: reverse a list of made-up words, e.g. ``Reverse the list: kamo, tirel, bosu.``
-  → one line per item from the last (``Item 3 is bosu.``) → ``The reversed list is: bosu, tirel, kamo.``
+  → walk it back one item at a time (``Before bosu in the list comes tirel.``) →
+  ``The reversed list is: bosu, tirel, kamo.``
 
-Tasks are generated from a seed (no data set is downloaded); the held-out evaluation set
-uses seeds the training data never uses.
+Each thinking line depends on the previous line and the prompt only, so a small model learns
+the procedure; answering without it needs the whole computation in one step, so accuracy
+rises with the thinking allowed.  Tasks are generated from a seed (no data set is
+downloaded); the held-out evaluation set uses seeds the training data never uses.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Task:
 
 
 @lru_cache(maxsize=1)
-def lexicon(size: int = 1000) -> tuple[str, ...]:
+def lexicon(size: int = 600) -> tuple[str, ...]:
     """Pronounceable made-up words (fixed seed), the reverse family's vocabulary."""
     rng = np.random.default_rng(1234)
     onsets = list("bdfgklmnprstvz") + ["br", "tr", "st", "sh", "ch"]
@@ -67,27 +70,24 @@ def lexicon(size: int = 1000) -> tuple[str, ...]:
 
 
 def arith_task(rng: np.random.Generator) -> Task:
-    total = int(rng.integers(10, 60))
-    start, ops, steps = total, [], [f"Start with {total}."]
-    for _ in range(int(rng.integers(3, 7))):
-        b = int(rng.integers(1, 10))
-        sign = "+" if rng.random() < 0.6 else "-"
-        if not 0 <= (total + b if sign == "+" else total - b) <= 99:
-            sign = "-" if sign == "+" else "+"
-        new = total + b if sign == "+" else total - b
-        verb = "Add" if sign == "+" else "Subtract"
-        steps.append(f"{verb} {b}: {total} {sign} {b} = {new}.")
-        ops.append(f"{sign} {b}")
+    n, d = int(rng.integers(3, 9)), int(rng.integers(2, 10))
+    add = rng.random() < 0.5
+    start = int(rng.integers(2, 61)) if add else int(rng.integers(n * d, n * d + 60))
+    steps, total = [], start
+    for i in range(1, n + 1):
+        new = total + d if add else total - d
+        steps.append(f"Step {i}: {total} {'+' if add else '-'} {d} = {new}.")
         total = new
-    steps.append(f"So the result is {total}.")
-    template = ["Compute {}.", "What is {}?", "Work out {}."][int(rng.integers(3))]
-    return Task("arith", template.format(f"{start} " + " ".join(ops)), tuple(steps), str(total))
+    template = ["Start at {} and {} {}, {} times.", "Begin with {} and {} {}, {} times."][int(rng.integers(2))]
+    return Task("arith", template.format(start, "add" if add else "subtract", d, n), tuple(steps), str(total))
 
 
 def reverse_task(rng: np.random.Generator) -> Task:
     words = lexicon()
-    items = [words[i] for i in rng.choice(len(words), size=int(rng.integers(3, 7)), replace=False)]
-    steps = [f"There are {len(items)} items."] + [f"Item {i} is {items[i - 1]}." for i in range(len(items), 0, -1)]
+    items = [words[i] for i in rng.choice(len(words), size=int(rng.integers(3, 8)), replace=False)]
+    steps = [f"The list ends with {items[-1]}."]
+    steps += [f"Before {items[i]} in the list comes {items[i - 1]}." for i in range(len(items) - 1, 0, -1)]
+    steps.append(f"Nothing comes before {items[0]}.")
     template = ["Reverse the list: {}.", "Reverse this list: {}.", "Write the list backwards: {}."][int(rng.integers(3))]
     return Task("reverse", template.format(", ".join(items)), tuple(steps), ", ".join(reversed(items)))
 

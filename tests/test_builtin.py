@@ -23,9 +23,9 @@ def test_tasks_are_reproducible_correct_and_graded():
     tasks = builtin.make_tasks(40, seed=3)
     assert tasks == builtin.make_tasks(40, seed=3) and tasks != builtin.make_tasks(40, seed=4)
     for t in tasks:
-        if t.family == "arith":  # the answer is the prompt's expression, evaluated independently
-            expr = re.search(r"(\d+(?: [+-] \d)+)", t.prompt).group(1)
-            assert int(t.answer) == eval(expr)  # noqa: S307 (digits and +/- only)
+        if t.family == "arith":  # the answer, computed independently from the prompt's words
+            start, op, d, n = re.search(r"(\d+) and (add|subtract) (\d), (\d) times", t.prompt).groups()
+            assert int(t.answer) == int(start) + (1 if op == "add" else -1) * int(d) * int(n) >= 0
         else:
             items = t.prompt.split(": ", 1)[1].rstrip(".").split(", ")
             assert t.answer.split(", ") == items[::-1]
@@ -34,7 +34,7 @@ def test_tasks_are_reproducible_correct_and_graded():
         assert not builtin.grade(t, t.response().replace(t.final_line(), "The answer is 1000."))
         assert not builtin.grade(t, t.response().split(builtin.THINK_CLOSE)[0])  # no answer at all
     thinking, answer = builtin.split_response(tasks[0].response())
-    assert thinking.startswith("Start with") and answer == tasks[0].final_line()
+    assert thinking.startswith("Step 1: ") and answer == tasks[0].final_line()
 
 
 def dataclass_dict(task):
@@ -136,7 +136,7 @@ def test_shipped_pair_greedy_matches_vanilla(pair):
 def test_main_job_answers_a_prompt(capsys):
     from eagle3_jax.cli import main
 
-    assert main(["generate", "Compute 23 + 7 - 4 + 9.", "--max-new-tokens", "96"]) == 0
+    assert main(["generate", "Start at 17 and add 3, 4 times.", "--max-new-tokens", "96"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Thinking:\n") and "\nAnswer:\n" in out
     assert re.search(r"tau [\d.]+ over \d+ rounds", out) and "speedup" in out and "identical to vanilla: True" in out

@@ -45,7 +45,7 @@ class Recipe:
     max_position_embeddings: int = 512
     target_tasks: int = 40_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.2        # share of examples whose thinking is cut short
-    target_steps: int = 1100
+    target_steps: int = 1300
     target_batch: int = 8
     seq_len: int = 128
     target_lr: float = 2e-3

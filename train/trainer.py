@@ -68,12 +68,16 @@ def cache_target_outputs(target, records: dict, directory: Path, batch_size: int
         feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, 3 * H))
         hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", dtype, (n, T, H))
         graph, state = nnx.split(target)
-        run = jax.jit(lambda st, x: nnx.merge(graph, st).trunk(x, jnp.broadcast_to(jnp.arange(T), x.shape))[:2])
+        run = jax.jit(lambda st, x: nnx.merge(graph, st).trunk(x, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape))[:2])
+        # positions past a row's last loss token never reach the loss: run each chunk only up to
+        # its longest row, rounded up to a multiple of 32 (a few compilations, much less padding)
+        used = np.where(records["loss_mask"].any(1), T - np.argmax(records["loss_mask"][:, ::-1], 1), 1)
         for i in tqdm(range(0, n, batch_size), desc="cache target outputs"):
             chunk = ids[i: i + batch_size]
-            padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), T), ids.dtype)])  # one compilation
+            Tb = min(T, -(-int(used[i: i + batch_size].max()) // 32) * 32)
+            padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), T), ids.dtype)])[:, :Tb]
             h, f = jax.device_get(run(state, jnp.asarray(padded)))
-            hidden[i: i + len(chunk)], feats[i: i + len(chunk)] = h[: len(chunk)], f[: len(chunk)]
+            hidden[i: i + len(chunk), :Tb], feats[i: i + len(chunk), :Tb] = h[: len(chunk)], f[: len(chunk)]
         feats.flush(), hidden.flush()
         done.write_text(json.dumps(meta))
     return {"features": np.load(directory / "features.npy", mmap_mode="r"),
