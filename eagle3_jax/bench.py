@@ -148,6 +148,10 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             "round_ms": 1e3 * s / max(rounds, 1), **parts, "accuracy": accuracy(tokens),
             "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
         }
+        if grade is not None and temperature > 0:  # two-proportion z: |z| < 2 is agreement within noise
+            p = (entry["accuracy"] + report["vanilla"]["accuracy"]) / 2
+            se = (2 * p * (1 - p) / len(prompts)) ** 0.5
+            entry["accuracy_z"] = 0.0 if se == 0 else (entry["accuracy"] - report["vanilla"]["accuracy"]) / se
         report["eagle3"].append(entry)
         log(f"[T={temperature}] eagle3 {tree_name(tree)}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
             f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, round {entry['round_ms']:.2f} ms "

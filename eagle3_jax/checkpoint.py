@@ -354,8 +354,8 @@ def save_drafter(drafter, path, *, dtype="float32") -> Path:
         arr = getattr(drafter, name)[...].astype(dtype)
         tensors[hf] = arr.T if transpose else arr
     if cfg.has_vocab_map:
-        tensors["d2t"] = jnp.asarray(np.asarray(drafter.d2t[...]).astype(np.int64))
-        tensors["t2d"] = jnp.asarray(drafter.t2d)
+        tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)  # numpy: int64 even without jax x64
+        tensors["t2d"] = np.asarray(drafter.t2d)
     if drafter.own_embedding:
         tensors["embed_tokens.weight"] = drafter.embed[...].astype(dtype)
     return _write(path, tensors, {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name})
@@ -400,12 +400,12 @@ def save_target(target, path, *, dtype="float32", tokenizer=None) -> Path:
 
 def _write(path, tensors: dict, config: dict) -> Path:
     """``model.safetensors`` (written atomically: never a half-written checkpoint) + ``config.json``."""
-    from safetensors.flax import save_file
+    from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "model.safetensors.tmp"
-    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

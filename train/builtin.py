@@ -37,19 +37,20 @@ ROOT = Path(__file__).resolve().parent.parent
 class Recipe:
     seed: int = 0
     vocab_size: int = 2048
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_layers: int = 16
-    intermediate_size: int = 688
-    num_heads: int = 4
+    intermediate_size: int = 344
+    num_heads: int = 2
     num_kv_heads: int = 1
     max_position_embeddings: int = 512
     target_tasks: int = 40_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.2        # share of examples whose thinking is cut short
-    target_steps: int = 1300
-    target_batch: int = 8
+    target_steps: int = 1600
+    target_batch: int = 16
     seq_len: int = 128
-    target_lr: float = 2e-3
+    target_lr: float = 3e-3
     warmup_steps: int = 100
+    decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
     drafter_conversations: int = 4000
     eval_tasks: int = 64
     budgets: tuple[int, ...] = (0, 8, 16, 32, 64)  # thinking tokens allowed (plus unlimited)
@@ -100,6 +101,17 @@ def lm_stream(convs, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate([i for i, _ in pairs]), np.concatenate([m for _, m in pairs]), starts
 
 
+def lr_schedule(recipe: Recipe):
+    """Warmup, constant, linear decay: up to the decay the schedule does not depend on the
+    total, so a longer run can resume from any checkpoint taken before its decay began."""
+    decay_start = int(recipe.target_steps * (1 - recipe.decay_fraction))
+    return optax.join_schedules([
+        optax.linear_schedule(0.0, recipe.target_lr, recipe.warmup_steps),
+        optax.constant_schedule(recipe.target_lr),
+        optax.linear_schedule(recipe.target_lr, recipe.target_lr * 0.05, recipe.target_steps - decay_start),
+    ], [recipe.warmup_steps, decay_start])
+
+
 def train_target(work: Path, recipe: Recipe, tok):
     """Trains the target as a causal LM; windows start at an example boundary and run on
     into the next examples.  Checkpoints every 100 steps; a re-run resumes."""
@@ -111,8 +123,7 @@ def train_target(work: Path, recipe: Recipe, tok):
     ids, mask, starts = lm_stream(training_text(recipe, recipe.target_tasks, recipe.seed), tok)
     T, B = recipe.seq_len, recipe.target_batch
     starts = starts[starts + T + 1 <= len(ids)]
-    schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.target_lr, recipe.warmup_steps, recipe.target_steps,
-                                                  recipe.target_lr * 0.05)
+    schedule = lr_schedule(recipe)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -128,7 +139,7 @@ def train_target(work: Path, recipe: Recipe, tok):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    ckpt = ocp.CheckpointManager((work / "target_ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=1))
+    ckpt = ocp.CheckpointManager((work / "target_ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=30))
     first = 0
     if ckpt.latest_step() is not None:
         state = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(
@@ -195,9 +206,13 @@ def answer_with_budget(target, tok, tasks: list[dict], budget: int | None, max_n
             for t, f, final in zip(thoughts, forced, finals)]
 
 
-def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256) -> dict:
+EVAL_TREES = ("chain4", "chain6", "16,4,4")
+
+
+def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256, trees=EVAL_TREES) -> dict:
     """Accuracy per thinking budget (vanilla greedy), and greedy τ / identity with the drafter."""
     import eagle3_jax
+    from eagle3_jax.bench import parse_tree
     from eagle3_jax.decode import encode_chat
 
     acc = {}
@@ -207,9 +222,9 @@ def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: i
     prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
     vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=max_new_tokens)
     taus = {}
-    for tree in (eagle3_jax.TreeConfig.chain(4), eagle3_jax.TreeConfig.chain(6), eagle3_jax.TreeConfig(16, 4, 4)):
-        res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tree=tree)
-        taus[f"{tree.total_tokens},{tree.depth},{tree.top_k}"] = {
+    for name in trees:
+        res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tree=parse_tree(name))
+        taus[name] = {
             "tau": res.stats["tau"], "identical_to_vanilla": res.tokens == vanilla.tokens}
     return {"accuracy_by_thinking_budget": acc, "greedy": taus}
 
