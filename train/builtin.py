@@ -147,18 +147,18 @@ def train_target(work: Path, recipe: Recipe, tok):
         nnx.replace_by_pure_dict(params, state["params"])
         opt_state, first = state["opt_state"], ckpt.latest_step()
     bar = tqdm(range(first, recipe.target_steps), initial=first, total=recipe.target_steps, desc="target")
-    log = open(work / "target_metrics.jsonl", "a")
-    for s in bar:
-        rows = np.random.default_rng([recipe.seed, s]).choice(starts, B)
-        window = ids[rows[:, None] + np.arange(T + 1)]
-        wmask = mask[rows[:, None] + np.arange(1, T + 1)]
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(window, jnp.int32), jnp.asarray(wmask, jnp.float32))
-        if (s + 1) % 20 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
-            log.write(json.dumps({"step": s + 1, "loss": float(loss)}) + "\n")
-            log.flush()
-        if (s + 1) % 100 == 0 or s + 1 == recipe.target_steps:
-            ckpt.save(s + 1, args=ocp.args.StandardSave({"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
+    with open(work / "target_metrics.jsonl", "a") as log:
+        for s in bar:
+            rows = np.random.default_rng([recipe.seed, s]).choice(starts, B)
+            window = ids[rows[:, None] + np.arange(T + 1)]
+            wmask = mask[rows[:, None] + np.arange(1, T + 1)]
+            params, opt_state, loss = step(params, opt_state, jnp.asarray(window, jnp.int32), jnp.asarray(wmask, jnp.float32))
+            if (s + 1) % 20 == 0:
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+                log.write(json.dumps({"step": s + 1, "loss": float(loss)}) + "\n")
+                log.flush()
+            if (s + 1) % 100 == 0 or s + 1 == recipe.target_steps:
+                ckpt.save(s + 1, args=ocp.args.StandardSave({"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
     ckpt.wait_until_finished()
     return nnx.merge(graph, params, rest)
 
