@@ -148,7 +148,7 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
     from eagle3_jax.cli import main
 
     js, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert main(["bench", "--num-prompts", "2", "--tree", "chain4", "--max-new-tokens", "48",
+    assert main(["bench", "--num-prompts", "1", "--tree", "chain4", "--max-new-tokens", "32",
                  "--json", str(js), "--figure", str(png)]) == 0
     doc = json.loads(js.read_text())
     greedy, sampled = doc["reports"]
