@@ -108,6 +108,7 @@ def _cmd_generate(args) -> int:
     tree = parse_tree(args.tree or (builtin.DEFAULT_TREE if is_builtin else "60,7,10"))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, tree=tree)
+
     def timed(drafter_):  # the faster of two runs (same seed, same output): compilation and warm-up excluded
         return min((eagle3_jax.generate(target, drafter_, prompts, **kw) for _ in range(2)),
                    key=lambda r: r.stats["seconds"])
