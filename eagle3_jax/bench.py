@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.decode import generate
+from eagle3_jax.decode import acceptance, generate
 from eagle3_jax.tree import TreeConfig
 
 
@@ -104,19 +104,21 @@ def peak_memory() -> dict:
 
 def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, batch_size: int = 1, seed: int = 0, repeats: int = 3,
-              grade=None, stop_token_ids=None, log=print) -> dict:
+              grade=None, parts: dict | None = None, log=print) -> dict:
     """Runs vanilla and EAGLE-3 per tree budget on the same prompts (each timed as the
     fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
 
-    ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode).
+    ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
+    ``parts`` caches :func:`round_parts` per tree across calls (e.g. one per temperature).
     """
+    parts = {} if parts is None else parts
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
     def run(drafter_, tree):
         tokens, seconds, stats = [], 0.0, []
         for i in range(0, len(prompts), batch_size):
             runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, tree=tree,
-                             stop_token_ids=stop_token_ids, **sampling) for _ in range(repeats)]
+                             **sampling) for _ in range(repeats)]
             tokens += runs[0].tokens
             seconds += min(r.stats["seconds"] for r in runs)
             stats.append(runs[0].stats)
@@ -138,14 +140,14 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         n = sum(map(len, tokens))
         acc = [a for st in stats for row in st["accept_lengths"] for a in row]
         rounds = len(acc)
-        positions = tree.path_len - 1
-        rate = [sum(a >= i for a in acc) / max(sum(a >= i - 1 for a in acc), 1) for i in range(1, positions + 1)]
-        parts = round_parts(target, drafter, prompts[0], tree)
+        tau, rate = acceptance(acc, tree.path_len - 1)
+        if tree not in parts:  # the parts do not depend on the sampling settings: measured once per tree
+            parts[tree] = round_parts(target, drafter, prompts[0], tree)
         entry = {
             "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
             "tokens": n, "seconds": s, "tokens_per_second": n / s, "speedup": (n / s) / (n_base / base_s),
-            "tau": sum(a + 1 for a in acc) / max(rounds, 1), "rounds": rounds, "acceptance_rate": rate,
-            "round_ms": 1e3 * s / max(rounds, 1), **parts, "accuracy": accuracy(tokens),
+            "tau": tau, "rounds": rounds, "acceptance_rate": rate,
+            "round_ms": 1e3 * s / max(rounds, 1), **parts[tree], "accuracy": accuracy(tokens),
             "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
         }
         if grade is not None and temperature > 0:  # two-proportion z: |z| < 2 is agreement within noise
@@ -155,7 +157,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         report["eagle3"].append(entry)
         log(f"[T={temperature}] eagle3 {tree_name(tree)}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
             f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, round {entry['round_ms']:.2f} ms "
-            f"(draft {parts['draft_ms']:.2f}, verify {parts['verify_ms']:.2f})"
+            f"(draft {parts[tree]['draft_ms']:.2f}, verify {parts[tree]['verify_ms']:.2f})"
             + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
     report["peak_memory"] = peak_memory()

@@ -159,9 +159,10 @@ def _cmd_bench(args) -> int:
         prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts or 4)]
     trees = [parse_tree(t) for t in args.tree or (builtin.BENCH_TREES if is_builtin else ["60,7,10"])]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
+    parts: dict = {}
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=args.max_new_tokens, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
-                         repeats=args.repeats, grade=grade) for t in temperatures]
+                         repeats=args.repeats, grade=grade, parts=parts) for t in temperatures]
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "reports": reports}
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

@@ -239,20 +239,26 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     return GenerateResult(tokens, stats, texts)
 
 
+def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
+    """``(τ, rate per draft position)`` from accepted-draft counts per round: τ = mean of
+    accepted + 1; rate[i-1] = P(position i accepted | positions < i accepted)."""
+    flat = np.asarray(accept_lengths, np.int64).reshape(-1)
+    rate = [float((flat >= i).sum() / max((flat >= i - 1).sum(), 1)) for i in range(1, positions + 1)]
+    return (float((flat + 1).mean()) if flat.size else 0.0), rate
+
+
 def _stats(accept_BxR, n_out_B, seconds: float, tree: TreeConfig | None) -> dict:
     rounds = (accept_BxR >= 0).sum(1)
     acc = [row[row >= 0].tolist() for row in accept_BxR]
-    flat = np.concatenate([np.asarray(a, np.int64) for a in acc]) if acc else np.zeros(0, np.int64)
-    positions = 1 if tree is None else tree.path_len - 1
-    rate = [float((flat >= i).sum() / max((flat >= i - 1).sum(), 1)) for i in range(1, positions + 1)]
+    tau, rate = acceptance([a for row in acc for a in row], 0 if tree is None else tree.path_len - 1)
     new_tokens = int(n_out_B.sum())
     return {
         "rounds": rounds.tolist(),
         "accept_lengths": acc,
-        "tau": float((flat + 1).mean()) if flat.size else 0.0,
-        "acceptance_rate": rate if tree is not None else [],
+        "tau": tau,
+        "acceptance_rate": rate,
         "proposed": int(rounds.sum() * (tree.total_tokens - 1)) if tree is not None else 0,
-        "accepted": int(flat.sum()),
+        "accepted": int(sum(map(sum, acc))),
         "committed": new_tokens,
         "new_tokens": new_tokens,
         "seconds": seconds,

@@ -70,12 +70,12 @@ def build_tokenizer(work: Path, recipe: Recipe):
     return bpe(work / "tokenizer", corpus, recipe.vocab_size, added_tokens=(builtin.THINK_OPEN, builtin.THINK_CLOSE))
 
 
-def training_text(recipe: Recipe, n: int, seed: int) -> list[list[dict]]:
+def training_text(n: int, seed: int, cut_fraction: float = 0.0) -> list[list[dict]]:
     """Chat conversations for ``n`` tasks; ``cut_fraction`` of them think only part of the way."""
     rng = np.random.default_rng(seed + 7)
     convs = []
     for task in builtin.make_tasks(n, seed):
-        cut = int(rng.integers(0, len(task.steps))) if rng.random() < recipe.cut_fraction else None
+        cut = int(rng.integers(0, len(task.steps))) if rng.random() < cut_fraction else None
         convs.append([{"role": "user", "content": task.prompt}, {"role": "assistant", "content": task.response(cut)}])
     return convs
 
@@ -120,7 +120,7 @@ def train_target(work: Path, recipe: Recipe, tok):
     cfg = target_config(recipe, tok)
     model = Target(cfg, rngs=nnx.Rngs(recipe.seed))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
-    ids, mask, starts = lm_stream(training_text(recipe, recipe.target_tasks, recipe.seed), tok)
+    ids, mask, starts = lm_stream(training_text(recipe.target_tasks, recipe.seed, recipe.cut_fraction), tok)
     T, B = recipe.seq_len, recipe.target_batch
     starts = starts[starts + T + 1 <= len(ids)]
     schedule = lr_schedule(recipe)
@@ -177,7 +177,7 @@ def train_drafter(work: Path, recipe: Recipe, overrides=()):
 
     data = work / "drafter_conversations.jsonl"
     with open(data, "w") as f:
-        for conv in training_text(Recipe(cut_fraction=0.0), recipe.drafter_conversations, recipe.seed + 2):
+        for conv in training_text(recipe.drafter_conversations, recipe.seed + 2):
             f.write(json.dumps({"conversations": conv}) + "\n")
     cfg = pipeline.load_config(ROOT / "configs" / "builtin.yaml", [
         f"target={work / 'target'}", f"data={data}", f"work_dir={work / 'drafter_run'}",
