@@ -191,8 +191,10 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
       dtype: ``"float32"`` / ``"bfloat16"`` / a jnp dtype; default: the checkpoint's.
       capture_layers: three decoder-layer ids whose *inputs* form the EAGLE-3
         features; default ``(2, L//2, L-3)``.
-      attention_impl: ``"xla"``, ``"pallas"`` (the tree-attention kernel on TPU, the XLA
-        reference elsewhere) or ``"pallas_interpret"`` (the kernel in interpret mode).
+      attention_impl: ``"xla"``, ``"pallas"`` (the tree-attention kernel on a TPU, or on a
+        Hopper GPU for bfloat16/float16; the XLA reference elsewhere), or
+        ``"pallas_interpret"`` / ``"pallas_interpret_gpu"`` (the TPU / GPU kernel in its
+        CPU interpreter).
       shardings: optional per-parameter shardings (see ``eagle3_jax.sharding``).
 
     Returns:

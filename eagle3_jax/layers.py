@@ -71,7 +71,8 @@ def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
     return out.reshape(B, T, N, D)
 
 
-ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "pallas_interpret_gpu")
+_INTERPRET = {"pallas": None, "pallas_interpret": "tpu", "pallas_interpret_gpu": "gpu"}
 
 
 def qkv(p, x_BxTxE, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
@@ -91,7 +92,7 @@ def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *
 
     ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache, written only at the new
     rows of ``layer``, or ``None`` (attend to the new tokens only).
-    ``impl="pallas"`` / ``"pallas_interpret"`` use the tree-attention kernel, which needs
+    ``impl="pallas"`` / ``"pallas_interpret[_gpu]"`` use the tree-attention kernel, which needs
     the new tokens written right after the prefix (``write_at == prefix``) and their
     ``[T, T]`` region mask.  Returns ``(out_BxTxH, kv)``.
     """
@@ -103,12 +104,12 @@ def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *
         k, v = kv[0][layer], kv[1][layer]
     if impl == "xla":
         out = attention_xla(q, k, v, visible_BxTxS, head_dim ** -0.5)
-    elif impl in ("pallas", "pallas_interpret"):
+    elif impl in _INTERPRET:
         from pallas_kernels import tree_attention
 
         prefix = write_at_B if kv is not None else jnp.zeros((B,), jnp.int32)
         out = tree_attention.attention(q, k, v, prefix, k_new, v_new, region_mask_BxTxT, scale=head_dim ** -0.5,
-                                       interpret=True if impl == "pallas_interpret" else None)
+                                       interpret=_INTERPRET[impl])
     else:
         raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
     return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv

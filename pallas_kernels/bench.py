@@ -1,8 +1,12 @@
 """Tree-attention benchmark: kernel vs jnp reference, achieved HBM bandwidth vs peak.
 
-    python -m pallas_kernels.bench                 # full grid on the default accelerator
-    python -m pallas_kernels.bench --quick --interpret   # smoke run on the CPU
+    python -m pallas_kernels.bench                        # full grid on the default accelerator
+    python -m pallas_kernels.bench --quick --interpret gpu  # smoke run of a kernel on the CPU
 
+The kernel is the one ``tree_attention.attention`` dispatches to (Mosaic TPU on a TPU,
+Mosaic GPU on a Hopper GPU for bfloat16); elsewhere only the reference is timed.
+
+Each row also reports the kernel's largest absolute difference from the reference.
 Bytes counted: the visible cache prefix (keys + values) plus queries, new keys/values
 and outputs — the minimum an exact kernel must move.  Both timings are taken in one
 process on the same inputs; ratios are reference time / kernel time.
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tree_attention import tree_attention, tree_attention_ref
+from pallas_kernels.tree_attention import pick_kernel, tree_attention_ref
 
 PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765, "TPU v5": 2765, "TPU v6 lite": 1640,
              "TPU v6e": 1640, "H100": 3350, "H200": 4800, "A100": 2039}
@@ -39,9 +43,10 @@ def _time(fn, *args, reps: int = 10) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, interpret=False, reps=10):
+def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, interpret=None,
+        reps=10):
     rows = []
-    kernel_ok = interpret or jax.default_backend() == "tpu"
+    kernel = pick_kernel(dtype, interpret)
     peak = peak_bandwidth()
     for S, T, B in itertools.product(cache_lens, tree_sizes, batches):
         rng = np.random.default_rng(0)
@@ -56,28 +61,39 @@ def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, 
         item = jnp.dtype(dtype).itemsize
         nbytes = item * (2 * B * S * kv_heads * head_dim + 2 * B * T * heads * head_dim + 2 * B * T * kv_heads * head_dim)
         row = {"cache_len": S, "tree": T, "batch": B, "ref_ms": t_ref * 1e3, "ref_GBps": nbytes / t_ref / 1e9}
-        if kernel_ok:
-            ker = jax.jit(lambda *a: tree_attention(*a, scale=scale, interpret=interpret))
+        if kernel is not None:
+            ker = jax.jit(lambda *a: kernel(*a, scale=scale))
             t_k = _time(ker, q, kc, vc, prefix, kn, vn, mask, reps=reps)
-            row.update(kernel_ms=t_k * 1e3, kernel_GBps=nbytes / t_k / 1e9, speedup=t_ref / t_k)
+            err = jnp.abs(ker(q, kc, vc, prefix, kn, vn, mask).astype(jnp.float32)
+                          - ref(q, kc, vc, prefix, kn, vn, mask).astype(jnp.float32)).max()
+            row.update(kernel_ms=t_k * 1e3, kernel_GBps=nbytes / t_k / 1e9, speedup=t_ref / t_k, max_abs_err=float(err))
             if peak:
                 row["kernel_frac_of_peak"] = nbytes / t_k / 1e9 / peak
         rows.append(row)
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "peak_GBps": peak,
-            "kernel": "pallas (Mosaic TPU)" if kernel_ok else "none for this backend (reference only)", "rows": rows}
+            "kernel": _kernel_name(kernel), "rows": rows}
+
+
+def _kernel_name(kernel) -> str:
+    if kernel is None:
+        return "none for this backend and dtype (reference only)"
+    fn = getattr(kernel, "func", kernel)
+    interpreted = " in its CPU interpreter" if getattr(kernel, "keywords", {}).get("interpret") else ""
+    return f"{fn.__module__}.{fn.__name__}{interpreted}"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny grid (CPU smoke run)")
-    p.add_argument("--interpret", action="store_true", help="run the kernel in interpret mode")
+    p.add_argument("--interpret", choices=("tpu", "gpu"), help="run that kernel in its CPU interpreter")
     p.add_argument("--json", help="write the table here")
     args = p.parse_args(argv)
     if args.quick:
-        report = run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, dtype=jnp.float32, interpret=args.interpret, reps=2)
+        report = run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret=args.interpret, reps=2)
     else:
         report = run([1024, 4096, 16384, 32768], [16, 32, 64], [1, 8, 32], interpret=args.interpret)
+    print(f"kernel: {report['kernel']} on {report['device']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -2,20 +2,26 @@
 ``[0, prefix_len[b])`` in full plus the ``T`` new keys under a boolean tree mask.
 
 ``tree_attention`` (Pallas, TPU Mosaic grid/BlockSpec kernel; runs on the CPU with
-``interpret=True``) and ``tree_attention_ref`` (pure jnp) share one signature.
+``interpret=True``), ``tree_attention_mgpu.tree_attention_mgpu`` (Pallas, Mosaic GPU for
+Hopper) and ``tree_attention_ref`` (pure jnp) share one signature; ``attention`` dispatches.
 
-Kernel layout and blocking
---------------------------
-* grid ``(B, K, S // block_k)``: one program per (sequence, KV head), walking the cache in
-  ``block_k`` slots (default 128); the last axis carries the online-softmax state.
-* per (b, h) the query block is all ``G·T`` rows of the query heads sharing KV head ``h``
-  (``[G·T, D]``, resident in VMEM across the KV walk), so each cache block is read once
-  per KV head (GQA-aware: HBM traffic is the cache, not ``G`` times the cache).
-* cache blocks ``[block_k, D]`` at or past ``prefix_len[b]`` are skipped (the index map
-  clamps to the last needed block, so no new DMA is issued for them); the last grid step
-  also folds in the ``T`` new keys with the ``[T, T]`` tree mask.
-* accumulators ``m, l [G·T, 1]`` and ``acc [G·T, D]`` are float32 VMEM scratch; inputs
-  may be bfloat16 or float32, matmuls accumulate in float32.
+Kernel layout and blocking (TPU)
+--------------------------------
+* the cache is read in place: ``[B, S, K, D]`` viewed as ``[B, S, K·D]`` (a free reshape);
+  one block is ``[block_k, hk·D]``: ``block_k`` slots × the lanes of ``hk`` KV heads, the
+  fewest heads that fill whole 128-lane vregs (``hk = 1`` for ``D = 128``, 2 for ``D = 64``),
+  or all ``K`` heads when no divisor of ``K`` does.
+* grid ``(B, K // hk, ceil(S / block_k))``: one program per (sequence, head group),
+  walking the cache in ``block_k`` slots (default 128); the last axis carries the
+  online-softmax state.  Every cache byte is read once (GQA-aware: the query block holds
+  all ``G·T`` rows of the heads sharing a KV head, ``[hk, G·T, D]``, resident in VMEM).
+* blocks at or past ``prefix_len[b]`` are skipped (the index map clamps to the last
+  needed block, so no new DMA is issued); the last block starts at ``S - block_k`` rather
+  than running past the cache, masking the slots its predecessor covered; the last grid
+  step also folds in the ``T`` new keys (``[B, K, T, D]``) under the tree mask, tiled to
+  the query rows (``[B, G·T, T]``).
+* accumulators ``m, l [hk, G·T, 1]`` and ``acc [hk, G·T, D]`` are float32 VMEM scratch;
+  inputs may be bfloat16 or float32, matmuls accumulate in float32.
 """
 
 from __future__ import annotations
@@ -56,9 +62,10 @@ def _online_update(s, v, m_ref, l_ref, acc_ref):
 
 
 def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *,
-            scale: float, block_k: int, groups: int):
+            scale: float, block_k: int, cache_len: int):
     b, j = pl.program_id(0), pl.program_id(2)
     prefix = prefix_ref[b]
+    heads, _, D = q_ref.shape
 
     @pl.when(j == 0)
     def _init():
@@ -66,60 +73,70 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    q = q_ref[...]
+    def update(h, k, v, mask_fn):
+        s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        _online_update(mask_fn(s), v, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
 
     @pl.when(j * block_k < prefix)
     def _prefix_block():
-        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        slot = j * block_k + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        _online_update(jnp.where(slot < prefix, s, -jnp.inf), v_ref[...], m_ref, l_ref, acc_ref)
+        slot = _block_start(j, block_k, cache_len) + jax.lax.broadcasted_iota(jnp.int32, (q_ref.shape[1], block_k), 1)
+        visible = (slot >= j * block_k) & (slot < prefix)  # not the previous block's, not past the prefix
+        for h in range(heads):
+            cols = pl.ds(h * D, D)
+            update(h, k_ref[:, cols], v_ref[:, cols], lambda s: jnp.where(visible, s, -jnp.inf))
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _tree_block_and_finish():
-        s = jax.lax.dot_general(q, kn_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        mask = jnp.tile(mask_ref[...], (groups, 1))  # rows are g-major: row = g*T + t
-        _online_update(jnp.where(mask > 0, s, -jnp.inf), vn_ref[...], m_ref, l_ref, acc_ref)
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+        mask = mask_ref[...] > 0
+        for h in range(heads):
+            update(h, kn_ref[h], vn_ref[h], lambda s: jnp.where(mask, s, -jnp.inf))
+            o_ref[h] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
+
+
+def _block_start(j, block_k: int, cache_len: int):
+    """First slot of cache block ``j``; the last block ends at the cache's end."""
+    return jnp.minimum(j * block_k, cache_len - block_k)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "interpret"))
 def tree_attention(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
                    tree_mask_BxTxT, *, scale: float, block_k: int = 128, interpret: bool = False):
-    """Pallas tree attention (see the module docstring for blocking and layout)."""
+    """Pallas TPU tree attention (see the module docstring for blocking and layout)."""
     B, T, N, D = q_BxTxNxD.shape
     S, K = k_cache_BxSxKxD.shape[1], k_cache_BxSxKxD.shape[2]
     G = N // K
-    S_pad = max(block_k, -(-S // block_k) * block_k)
-    # head-major layouts: [B, K, rows, D]
+    # KV heads per program: the fewest whose lanes fill whole 128-lane vregs, else all of them
+    hk = next((h for h in range(1, K + 1) if K % h == 0 and h * D % 128 == 0), K)
+    if S < block_k:  # shorter than one block: pad (a small copy) so every block stays in bounds
+        pad = ((0, 0), (0, block_k - S), (0, 0), (0, 0))
+        k_cache_BxSxKxD, v_cache_BxSxKxD = jnp.pad(k_cache_BxSxKxD, pad), jnp.pad(v_cache_BxSxKxD, pad)
+        S = block_k
+    kc, vc = k_cache_BxSxKxD.reshape(B, S, K * D), v_cache_BxSxKxD.reshape(B, S, K * D)  # free: no copy
+    # head-major layouts of the small operands: [B, K, rows, D]
     q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
-    kc = jnp.pad(k_cache_BxSxKxD, ((0, 0), (0, S_pad - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    vc = jnp.pad(v_cache_BxSxKxD, ((0, 0), (0, S_pad - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     kn = k_new_BxTxKxD.astype(kc.dtype).transpose(0, 2, 1, 3)
     vn = v_new_BxTxKxD.astype(vc.dtype).transpose(0, 2, 1, 3)
-    mask = tree_mask_BxTxT.astype(jnp.int32)
+    mask = jnp.tile(tree_mask_BxTxT.astype(jnp.int32), (1, G, 1))  # [B, G·T, T]: rows are g-major, row = g·T + t
     prefix = prefix_len_B.astype(jnp.int32)
 
-    def kv_index(b, h, j, prefix_ref):  # clamp: blocks past the prefix re-use the last block (no DMA)
+    def kv_index(b, g, j, prefix_ref):  # element offsets; past the prefix: the last block again (no DMA)
         last = jnp.maximum((prefix_ref[b] + block_k - 1) // block_k - 1, 0)
-        return (b, h, jnp.minimum(j, last), 0)
+        return (b, _block_start(jnp.minimum(j, last), block_k, S), g * hk * D)
 
+    heads = lambda b, g, j, p: (b, g, 0, 0)
+    kv_spec = pl.BlockSpec((None, pl.Element(block_k), pl.Element(hk * D)), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
-        grid=(B, K, S_pad // block_k),
-        in_specs=[
-            pl.BlockSpec((None, None, G * T, D), lambda b, h, j, p: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, block_k, D), kv_index),
-            pl.BlockSpec((None, None, block_k, D), kv_index),
-            pl.BlockSpec((None, None, T, D), lambda b, h, j, p: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, T, D), lambda b, h, j, p: (b, h, 0, 0)),
-            pl.BlockSpec((None, T, T), lambda b, h, j, p: (b, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, G * T, D), lambda b, h, j, p: (b, h, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((G * T, 1), jnp.float32), pltpu.VMEM((G * T, 1), jnp.float32),
-                        pltpu.VMEM((G * T, D), jnp.float32)],
+        grid=(B, K // hk, -(-S // block_k)),
+        in_specs=[pl.BlockSpec((None, hk, G * T, D), heads), kv_spec, kv_spec,
+                  pl.BlockSpec((None, hk, T, D), heads), pl.BlockSpec((None, hk, T, D), heads),
+                  pl.BlockSpec((None, G * T, T), lambda b, g, j, p: (b, 0, 0))],
+        out_specs=pl.BlockSpec((None, hk, G * T, D), heads),
+        scratch_shapes=[pltpu.VMEM((hk, G * T, 1), jnp.float32), pltpu.VMEM((hk, G * T, 1), jnp.float32),
+                        pltpu.VMEM((hk, G * T, D), jnp.float32)],
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_k=block_k, groups=G),
+        functools.partial(_kernel, scale=scale, block_k=block_k, cache_len=S),
         out_shape=jax.ShapeDtypeStruct((B, K, G * T, D), q_BxTxNxD.dtype),
         grid_spec=grid_spec,
         interpret=interpret,
@@ -129,11 +146,35 @@ def tree_attention(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_
     return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
 
 
-def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, interpret: bool | None = None):
-    """Dispatcher: the Pallas kernel on TPU (or anywhere with ``interpret=True``), else the
-    XLA reference.  GPU has no Mosaic-GPU kernel yet and takes the reference path."""
-    if interpret is None:
-        interpret = False
-        if jax.default_backend() != "tpu":
-            return tree_attention_ref(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale)
-    return tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale, interpret=interpret)
+def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not Blackwell)
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def pick_kernel(dtype, interpret: str | None = None):
+    """The kernel ``attention`` runs for inputs of ``dtype``, or ``None`` for the XLA reference.
+
+    ``interpret=None`` picks by the default device: the Mosaic TPU kernel on a TPU, the
+    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32).
+    ``interpret="tpu"`` / ``"gpu"`` returns that kernel in its CPU interpreter.
+    """
+    from pallas_kernels import tree_attention_mgpu as mgpu
+
+    if interpret not in (None, "tpu", "gpu"):
+        raise ValueError(f"interpret={interpret!r}: expected None, 'tpu' or 'gpu'")
+    if interpret is not None:
+        kernel = tree_attention if interpret == "tpu" else mgpu.tree_attention_mgpu
+        return functools.partial(kernel, interpret=True)
+    device = jax.devices()[0]
+    if device.platform == "tpu":
+        return tree_attention
+    if _is_hopper(device) and jnp.dtype(dtype) in map(jnp.dtype, mgpu.DTYPES):
+        return mgpu.tree_attention_mgpu
+    return None
+
+
+def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, interpret: str | None = None):
+    """Dispatcher: the kernel ``pick_kernel`` chooses for ``q.dtype``, else the XLA reference."""
+    kernel = pick_kernel(q.dtype, interpret)
+    if kernel is None:
+        return tree_attention_ref(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale)
+    return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale)

@@ -1,12 +1,17 @@
-"""Pallas tree attention (interpret mode on the CPU) against its jnp reference twin."""
+"""Pallas tree attention (TPU and GPU kernels in their CPU interpreters) against the jnp
+reference twin; the GPU kernel is also lowered for Hopper (sm_90a) without a GPU."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eagle3_jax
 from helpers import FIXTURES
-from pallas_kernels.tree_attention import tree_attention, tree_attention_ref
+from pallas_kernels.tree_attention import pick_kernel, tree_attention, tree_attention_ref
+from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 
 def _masks(kind, rng, B, T):
@@ -31,23 +36,96 @@ CASES = [(1, 1, 64, 1, "chain"), (3, 4, 128, 7, "random"), (1, 8, 64, 60, "full"
          (3, 8, 128, 7, "chain"), (1, 4, 64, 60, "chain"), (3, 4, 64, 1, "full")]
 
 
-@pytest.mark.parametrize("B,gqa,D,T,mask", CASES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_reference(B, gqa, D, T, mask, dtype):
+def _inputs(B, gqa, D, T, mask, dtype, S=150):
     rng = np.random.default_rng(B * 1000 + gqa * 100 + D + T)
     K = 2
-    N, S, block = K * gqa, 150, 64  # cache length not a multiple of the block
+    N = K * gqa
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
     q, kc, vc, kn, vn = arr(B, T, N, D), arr(B, S, K, D), arr(B, S, K, D), arr(B, T, K, D), arr(B, T, K, D)
-    prefix = jnp.asarray(rng.choice([0, 1, 63, 64, 97, 150], size=B), jnp.int32).at[0].set(0)  # incl. empty cache
-    m = jnp.asarray(_masks(mask, rng, B, T))
-    got = tree_attention(q, kc, vc, prefix, kn, vn, m, scale=D ** -0.5, block_k=block, interpret=True)
-    want = tree_attention_ref(q, kc, vc, prefix, kn, vn, m, scale=D ** -0.5)
+    # prefixes not multiples of the block (64), incl. an empty cache and a full one
+    prefix = jnp.asarray(rng.choice([0, 1, 63, 64, 97, S], size=B), jnp.int32).at[0].set(0)
+    if B > 1:
+        prefix = prefix.at[-1].set(S)
+    return q, kc, vc, prefix, kn, vn, jnp.asarray(_masks(mask, rng, B, T))
+
+
+def _assert_close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     if dtype == jnp.float32:
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     else:
         assert np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("B,gqa,D,T,mask", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_kernel_matches_reference(B, gqa, D, T, mask, dtype):
+    args = _inputs(B, gqa, D, T, mask, dtype)
+    got = tree_attention(*args, scale=D ** -0.5, block_k=64, interpret=True)
+    _assert_close(got, tree_attention_ref(*args, scale=D ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("B,gqa,D,T,mask,dtype", [c + (jnp.bfloat16,) for c in CASES] + [CASES[1] + (jnp.float16,)])
+def test_gpu_kernel_matches_reference(B, gqa, D, T, mask, dtype):
+    args = _inputs(B, gqa, D, T, mask, dtype)
+    # 2 splits: the prefix shared between two blocks (one of them empty for short prefixes)
+    got = tree_attention_mgpu(*args, scale=D ** -0.5, splits=2, interpret=True)
+    _assert_close(got, tree_attention_ref(*args, scale=D ** -0.5), dtype)
+
+
+def test_gpu_kernel_short_cache_long_walk_and_many_splits():
+    args = _inputs(3, 4, 64, 7, "random", jnp.bfloat16, S=40)
+    _assert_close(tree_attention_mgpu(*args, scale=0.125, splits=1, interpret=True),
+                  tree_attention_ref(*args, scale=0.125), jnp.bfloat16)
+    # up to 5 blocks of 64 slots through 4 SMEM slots (the pipeline wraps), then over 5 splits (some empty)
+    args = _inputs(3, 1, 64, 7, "chain", jnp.bfloat16, S=300)
+    for splits in (1, 5):
+        _assert_close(tree_attention_mgpu(*args, scale=0.125, splits=splits, interpret=True),
+                      tree_attention_ref(*args, scale=0.125), jnp.bfloat16)
+
+
+def test_gpu_kernel_refuses_float32_and_odd_head_dims():
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        tree_attention_mgpu(*_inputs(1, 1, 64, 7, "chain", jnp.float32), scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        tree_attention_mgpu(*_inputs(1, 1, 48, 7, "chain", jnp.bfloat16), scale=0.125, interpret=True)
+
+
+@pytest.mark.parametrize("B,gqa,D,T,dtype", [(1, 8, 128, 60, jnp.bfloat16), (3, 4, 64, 7, jnp.float16),
+                                             (2, 1, 128, 1, jnp.bfloat16)])
+def test_gpu_kernel_lowers_for_hopper(B, gqa, D, T, dtype):
+    """The compiled program (not the interpreted one) passes Mosaic GPU's layout inference
+    and WGMMA checks for sm_90a; only PTX assembly is left to a real GPU."""
+    fn = functools.partial(tree_attention_mgpu, scale=D ** -0.5, splits=3)
+    assert "mosaic_gpu" in _lower(fn, "cuda", B, gqa, D, T, dtype)
+
+
+@pytest.mark.parametrize("B,gqa,D,T,dtype", [(1, 8, 128, 60, jnp.bfloat16), (3, 4, 64, 7, jnp.float32),
+                                             (2, 1, 64, 1, jnp.bfloat16)])
+def test_tpu_kernel_lowers_for_v5e(monkeypatch, B, gqa, D, T, dtype):
+    """Pallas → Mosaic TPU lowering (block shapes, index maps) for a v5e; Mosaic's own
+    compilation is left to a real TPU."""
+    from jax._src.pallas.mosaic import tpu_info  # the chip the lowering targets, here where there is none
+
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    fn = functools.partial(tree_attention, scale=D ** -0.5)
+    assert "tpu_custom_call" in _lower(fn, "tpu", B, gqa, D, T, dtype)
+
+
+def _lower(fn, platform, B, gqa, D, T, dtype, K=2, S=1000):
+    sds = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+    args = (sds(B, T, K * gqa, D), sds(B, S, K, D), sds(B, S, K, D), sds(B, dt=jnp.int32), sds(B, T, K, D),
+            sds(B, T, K, D), sds(B, T, T, dt=jnp.bool_))
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_dispatcher_on_cpu():
+    assert pick_kernel(jnp.bfloat16) is None  # no accelerator here: the XLA reference
+    assert pick_kernel(jnp.float32, "tpu").func is tree_attention
+    assert pick_kernel(jnp.bfloat16, "gpu").func is tree_attention_mgpu
+    with pytest.raises(ValueError, match="interpret='cuda'"):
+        pick_kernel(jnp.bfloat16, "cuda")
 
 
 def test_generate_with_pallas_is_token_identical():
@@ -63,9 +141,27 @@ def test_generate_with_pallas_is_token_identical():
     assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
 
 
-def test_bench_entry_point_runs(capsys):
+def test_generate_with_gpu_kernel_is_token_identical():
+    """The built-in pair in bfloat16 (head_dim 64, as WGMMA needs): the GPU kernel in its
+    interpreter inside the jitted decode loop gives the XLA path's tokens."""
+    from eagle3_jax import builtin
+    from eagle3_jax.decode import encode_chat
+
+    target_xla, drafter, tok = builtin.load("bfloat16")
+    target_mgpu = eagle3_jax.load_target(builtin.TARGET_DIR, dtype="bfloat16", attention_impl="pallas_interpret_gpu")
+    prompts = [encode_chat(tok, [{"role": "user", "content": builtin.eval_tasks()[1]["prompt"]}])]
+    tree = eagle3_jax.TreeConfig.chain(6)
+    want = eagle3_jax.generate(target_xla, drafter, prompts, max_new_tokens=16, tree=tree)
+    got = eagle3_jax.generate(target_mgpu, drafter, prompts, max_new_tokens=16, tree=tree)
+    assert got.tokens == want.tokens
+    assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_bench_entry_point_runs(capsys, backend):
     from pallas_kernels import bench
 
-    bench.main(["--quick", "--interpret"])
+    bench.main(["--quick", "--interpret", backend])
     out = capsys.readouterr().out
     assert "kernel_ms=" in out and "ref_ms=" in out
+    assert f"tree_attention{'_mgpu' if backend == 'gpu' else ''} in its CPU interpreter" in out

@@ -1,0 +1,238 @@
+"""Tree attention on NVIDIA Hopper: a Mosaic GPU (Pallas) kernel, same semantics and
+signature as ``tree_attention.tree_attention_ref``.
+
+Kernel layout and blocking
+--------------------------
+* rows: the ``G·T`` query rows that share KV head ``h`` (``row = g·T + t``), padded to a
+  multiple of ``block_q = 64`` (one warpgroup's WGMMA tile); q is relaid out to
+  ``[B, K, rows, D]`` (small: the tree, not the cache).
+* grid ``(row tiles, K, B·(splits + 1))``, one warpgroup per block.  Blocks
+  ``split < splits`` each walk an equal share of the cache prefix ``[0, prefix_len[b])`` in
+  ``block_kv`` slots (default 64, ``max_concurrent_steps`` TMA copies in flight, default
+  4), reading the cache in place from its ``[B, S, K, D]`` layout (strided TMA, no copy);
+  block ``split = splits`` attends the ``T`` new keys under the tree mask, given as an
+  additive f32 bias ``[B, rows, T_pad]`` (``T_pad`` = ``T`` rounded up to 64).  The row
+  tiles of one (head, sequence, split) are adjacent in launch order, so they read the same
+  cache blocks while these are in L2.
+* a cache whose length is not a multiple of ``block_kv`` is not padded: the last block
+  starts at ``S - block_kv`` and masks the slots an earlier block already covered.
+* per block: Q tile ``[64, D]`` in SMEM; ``S = Q·Kᵀ`` and ``acc += P·V`` on WGMMA with f32
+  accumulators; online softmax (``m``, ``l``, ``acc [64, D]``) in f32 registers; each block
+  writes its normalised partial output and log-sum-exp (f32), and the partials are merged
+  by ``combine_partials`` (plain XLA, ``(splits + 1)·B·N·T·D`` floats).
+* ``splits`` defaults to enough blocks for about two per SM, with at least 4 cache blocks
+  per split.  SMEM: ``(2·max_concurrent_steps·block_kv + 64)·D`` 16-bit elements plus the
+  f32 output tile (144 KiB at D = 128 with the defaults).
+
+Inputs must be bfloat16 or float16: WGMMA has no float32 mode (float32 operands would run
+as TF32, ~1e-3 relative), so the dispatcher sends float32 to the XLA reference instead.
+``interpret=True`` runs the kernel in the Mosaic GPU interpreter on the CPU (TMA copies,
+barriers and WGMMA simulated); ``lower_for_hopper`` lowers it for sm_90a without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_Q = 64  # one warpgroup's WGMMA M tile
+MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132  # 132: H100/H200 SXM
+
+
+def default_splits(row_tiles: int, kv_heads: int, batch: int, cache_len: int, block_kv: int) -> int:
+    """Cache splits per (row tile, head, sequence): ~2 blocks per SM, ≥ 4 cache blocks each."""
+    blocks = row_tiles * kv_heads * batch
+    return max(1, min(-(-2 * _num_sms() // blocks), cache_len // (4 * block_kv)))
+
+
+def _wgmma(acc_ref, a, b_ref, *, transpose_b: bool, interpret: bool):
+    """``acc += a @ b`` (``bᵀ`` if ``transpose_b``) on WGMMA, ``a`` an SMEM ref or registers.
+
+    On the GPU the transpose is a descriptor flag and a register ``a`` feeds the tensor
+    core directly.  The Mosaic GPU interpreter (jax 0.10) takes neither, so in interpret
+    mode both are staged through scratch SMEM first: the same product, in the forms it has.
+    """
+    if not interpret:
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref)
+        return
+    b_shape = b_ref.shape[::-1] if transpose_b else b_ref.shape
+
+    def staged(a_smem, b_smem):
+        a_smem[...] = a[...]  # a ref or an array: [...] reads either
+        b_smem[...] = b_ref[...].T if transpose_b else b_ref[...]
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+
+    pl.run_scoped(staged, plgpu.SMEM(acc_ref.shape[:1] + b_shape[:1], b_ref.dtype), plgpu.SMEM(b_shape, b_ref.dtype))
+
+
+def _softmax_step(carry, q_smem, k_smem, v_smem, mask_fn, *, scale, interpret):
+    """One online-softmax step over a ``[n, D]`` key/value block held in SMEM.  ``P·V`` goes
+    to a fresh accumulator added to the rescaled one (the interpreter has no ``run_state``)."""
+    acc_QxD, m_Q, l_Q = carry
+
+    def qk(acc_ref):
+        _wgmma(acc_ref, q_smem, k_smem, transpose_b=True, interpret=interpret)
+        return acc_ref[...]
+
+    s_QxN = mask_fn(pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, k_smem.shape[0]), jnp.float32)) * scale)
+    m_new = jnp.maximum(m_Q, s_QxN.max(axis=1))
+    alpha = jnp.exp(m_Q - m_new)
+    p_QxN = jnp.exp(s_QxN - lax.broadcast_in_dim(m_new, s_QxN.shape, [0]))
+    l_Q = l_Q * alpha + p_QxN.sum(axis=1)
+
+    def pv(acc_ref):
+        _wgmma(acc_ref, p_QxN.astype(v_smem.dtype), v_smem, transpose_b=False, interpret=interpret)
+        return acc_ref[...]
+
+    pv_QxD = pl.run_scoped(pv, plgpu.ACC(acc_QxD.shape, jnp.float32))
+    return acc_QxD * lax.broadcast_in_dim(alpha, acc_QxD.shape, [0]) + pv_QxD, m_new, l_Q
+
+
+def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem,
+            q_barrier, *, scale, block_kv, splits, max_concurrent_steps, interpret):
+    r_tile, h, bs = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("bs")
+    b, split = lax.div(bs, splits + 1), lax.rem(bs, splits + 1)
+    rows = pl.ds(r_tile * BLOCK_Q, BLOCK_Q)
+    D = q_smem.shape[1]
+    S = k_ref.shape[1]
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_barrier)
+    plgpu.barrier_wait(q_barrier)
+    step = functools.partial(_softmax_step, scale=scale, interpret=interpret)
+    init = (jnp.zeros((BLOCK_Q, D), jnp.float32), jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
+            jnp.zeros((BLOCK_Q,), jnp.float32))
+
+    def finish(carry):
+        acc, m, l = carry
+        o_smem[...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        lse_smem[...] = m + jnp.log(l)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, h, rows])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(split < splits)
+    def _cache_share():
+        prefix = prefix_ref[b]
+        n_blocks = lax.div(prefix + block_kv - 1, block_kv)
+        per = lax.div(n_blocks + splits - 1, splits)
+        first = jnp.minimum(split * per, n_blocks)
+        count = jnp.minimum(per, n_blocks - first)
+
+        def start(i):  # element offset of block first + i, clamped so it never runs past S
+            return jnp.minimum((first + i) * block_kv, S - block_kv)
+
+        def body(idx, k_smem, v_smem, carry):
+            (i,) = idx
+            lo = (first + i) * block_kv  # slots below lo belong to the previous block
+            slot = start(i) + lax.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1)
+            visible = (slot >= lo) & (slot < prefix)
+            return step(carry, q_smem, k_smem, v_smem, lambda s: jnp.where(visible, s, MASK))
+
+        spec = plgpu.BlockSpec((pl.Element(block_kv), D), lambda i: (start(i), 0))
+        carry = plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec, spec],
+                                    max_concurrent_steps=max_concurrent_steps, init_carry=init)(
+            k_ref.at[b, :, h], v_ref.at[b, :, h])
+        finish(carry)
+
+    @pl.when(split == splits)
+    def _tree():
+        T_pad = kn_ref.shape[2]
+
+        def body(_, kn_smem, vn_smem, bias_smem, carry):
+            return step(carry, q_smem, kn_smem, vn_smem, lambda s: s + bias_smem[...])
+
+        kv_spec = plgpu.BlockSpec((T_pad, D), lambda i: (0, 0))
+        carry = plgpu.emit_pipeline(body, grid=(1,), in_specs=[kv_spec, kv_spec, plgpu.BlockSpec((BLOCK_Q, T_pad),
+                                                                                                 lambda i: (0, 0))],
+                                    init_carry=init)(kn_ref.at[b, h], vn_ref.at[b, h], bias_ref.at[b, rows])
+        finish(carry)
+
+
+def combine_partials(o_PxBxKxRxD, lse_PxBxKxR):
+    """Merges per-split normalised partials by their log-sum-exp weights (f32)."""
+    lse_max = lse_PxBxKxR.max(axis=0)
+    w = jnp.exp(lse_PxBxKxR - lse_max)
+    o = jnp.where(w[..., None] > 0, o_PxBxKxRxD, 0.0)  # an empty split's 0/0 must not leak
+    return (w[..., None] * o).sum(0) / w.sum(0)[..., None]
+
+
+def _tree_bias(tree_mask_BxTxT, groups: int, rows_pad: int, t_pad: int):
+    """Additive ``[B, rows_pad, T_pad]`` bias: 0 where row ``g·T + t`` sees new key ``t'``."""
+    B, T, _ = tree_mask_BxTxT.shape
+    t_of_row = jnp.arange(rows_pad) % T  # padded rows copy a real row: finite, then dropped
+    visible = jnp.pad(tree_mask_BxTxT.astype(bool)[:, t_of_row], ((0, 0), (0, 0), (0, t_pad - T)))
+    return jnp.where(visible, 0.0, MASK).astype(jnp.float32)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _call(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT,
+          *, scale, block_kv, splits, max_concurrent_steps, interpret):
+    B, T, N, D = q_BxTxNxD.shape
+    S, K = k_cache_BxSxKxD.shape[1], k_cache_BxSxKxD.shape[2]
+    G, dtype = N // K, q_BxTxNxD.dtype
+    if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES) or k_cache_BxSxKxD.dtype != dtype:
+        raise TypeError(f"tree_attention_mgpu: q and the cache must both be bfloat16 or float16, got q {dtype}, "
+                        f"cache {k_cache_BxSxKxD.dtype} (float32 goes to tree_attention_ref)")
+    if D % 64 or N % K:
+        raise ValueError(f"tree_attention_mgpu: head_dim {D} must be a multiple of 64 and heads {N} of kv heads {K}")
+    if S < block_kv:  # shorter than one block: pad (a small copy) so every TMA stays in bounds
+        pad = ((0, 0), (0, block_kv - S), (0, 0), (0, 0))
+        k_cache_BxSxKxD, v_cache_BxSxKxD = jnp.pad(k_cache_BxSxKxD, pad), jnp.pad(v_cache_BxSxKxD, pad)
+        S = block_kv
+    R = G * T
+    R_pad, T_pad = _round_up(R, BLOCK_Q), _round_up(T, 64)
+    row_tiles = R_pad // BLOCK_Q
+    if splits is None:
+        splits = default_splits(row_tiles, K, B, S, block_kv)
+
+    q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, R, D)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
+    new = lambda x: jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
+    bias = _tree_bias(tree_mask_BxTxT, G, R_pad, T_pad)
+
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, scale=scale, block_kv=block_kv, splits=splits,
+                          max_concurrent_steps=max_concurrent_steps, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((splits + 1, B, K, R_pad, D), jnp.float32),
+                  jax.ShapeDtypeStruct((splits + 1, B, K, R_pad), jnp.float32)),
+        scratch_types=(plgpu.SMEM((BLOCK_Q, D), dtype), plgpu.SMEM((BLOCK_Q, D), jnp.float32),
+                       plgpu.SMEM((BLOCK_Q,), jnp.float32), plgpu.Barrier()),
+        grid=(row_tiles, K, B * (splits + 1)),
+        grid_names=("rows", "heads", "bs"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params() if interpret else None,
+    )
+    o, lse = kernel(prefix_len_B.astype(jnp.int32), q, k_cache_BxSxKxD, v_cache_BxSxKxD, new(k_new_BxTxKxD),
+                    new(v_new_BxTxKxD), bias)
+    out = combine_partials(o, lse)[:, :, :R]  # [B, K, R, D]
+    return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(dtype)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not yet public in jax 0.10
+
+    return InterpretGPUParams()
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "splits", "max_concurrent_steps", "interpret"))
+def tree_attention_mgpu(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
+                        tree_mask_BxTxT, *, scale: float, block_kv: int = 64, splits: int | None = None,
+                        max_concurrent_steps: int = 4, interpret: bool = False):
+    """Mosaic GPU tree attention (see the module docstring for blocking and layout)."""
+    return _call(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
+                 tree_mask_BxTxT, scale=scale, block_kv=block_kv, splits=splits,
+                 max_concurrent_steps=max_concurrent_steps, interpret=interpret)
