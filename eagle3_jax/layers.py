@@ -98,18 +98,18 @@ def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *
     """
     B, T, _ = x_BxTxE.shape
     q, k, v = qkv(p, x_BxTxE, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
-    k_new, v_new = k, v
     if kv is not None:
         kv = (write_kv(kv[0], k, layer, write_at_B), write_kv(kv[1], v, layer, write_at_B))
-        k, v = kv[0][layer], kv[1][layer]
     if impl == "xla":
-        out = attention_xla(q, k, v, visible_BxTxS, head_dim ** -0.5)
+        k_all, v_all = (k, v) if kv is None else (kv[0][layer], kv[1][layer])
+        out = attention_xla(q, k_all, v_all, visible_BxTxS, head_dim ** -0.5)
     elif impl in _INTERPRET:
         from pallas_kernels import tree_attention
 
-        prefix = write_at_B if kv is not None else jnp.zeros((B,), jnp.int32)
-        out = tree_attention.attention(q, k, v, prefix, k_new, v_new, region_mask_BxTxT, scale=head_dim ** -0.5,
-                                       interpret=_INTERPRET[impl])
+        # the kernel reads this layer of the stacked cache in place; without one, an empty prefix
+        cache, prefix = ((k, v), jnp.zeros((B,), jnp.int32)) if kv is None else (kv, write_at_B)
+        out = tree_attention.attention(q, *cache, prefix, k, v, region_mask_BxTxT, scale=head_dim ** -0.5,
+                                       layer=None if kv is None else layer, interpret=_INTERPRET[impl])
     else:
         raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
     return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv

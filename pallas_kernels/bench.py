@@ -46,7 +46,7 @@ def _time(fn, *args, reps: int = 10) -> float:
 def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, interpret=None,
         reps=10):
     rows = []
-    kernel = pick_kernel(dtype, interpret)
+    kernel = pick_kernel(dtype, head_dim, interpret)
     peak = peak_bandwidth()
     for S, T, B in itertools.product(cache_lens, tree_sizes, batches):
         rng = np.random.default_rng(0)

@@ -7,7 +7,8 @@ Hopper) and ``tree_attention_ref`` (pure jnp) share one signature; ``attention``
 
 Kernel layout and blocking (TPU)
 --------------------------------
-* the cache is read in place: ``[B, S, K, D]`` viewed as ``[B, S, K·D]`` (a free reshape);
+* the cache is read in place: ``[B, S, K, D]`` (or one ``layer`` of the stacked
+  ``[L, B, S, K, D]``, picked by the index map) viewed as ``[.., S, K·D]`` (a free reshape);
   one block is ``[block_k, hk·D]``: ``block_k`` slots × the lanes of ``hk`` KV heads, the
   fewest heads that fill whole 128-lane vregs (``hk = 1`` for ``D = 128``, 2 for ``D = 64``),
   or all ``K`` heads when no divisor of ``K`` does.
@@ -34,9 +35,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
-def tree_attention_ref(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
-                       tree_mask_BxTxT, *, scale: float):
-    """jnp reference: softmax over [cache prefix ; new tokens under the tree mask], float32."""
+def tree_attention_ref(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
+                       scale: float, layer=None):
+    """jnp reference: softmax over [cache prefix ; new tokens under the tree mask], float32.
+
+    The cache is ``[B, S, K, D]``, or the stacked ``[L, B, S, K, D]`` with ``layer`` (an
+    int32 scalar, may be traced) naming one; the kernels read that layer in place.
+    """
+    k_cache_BxSxKxD, v_cache_BxSxKxD = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
     B, T, N, D = q_BxTxNxD.shape
     S, K = k_cache_BxSxKxD.shape[1], k_cache_BxSxKxD.shape[2]
     k = jnp.concatenate([k_cache_BxSxKxD, k_new_BxTxKxD.astype(k_cache_BxSxKxD.dtype)], 1)
@@ -51,6 +57,19 @@ def tree_attention_ref(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B
     return out.reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
 
 
+def stacked_cache(k_cache, v_cache, layer, min_len: int):
+    """The kernels' cache view: ``[L, B, S, K, D]`` (a ``[B, S, K, D]`` cache is one layer,
+    a free reshape), the layer as int32 ``[1]``, and ``S`` padded to ``min_len`` slots if
+    shorter (a small copy, so that every cache block lies inside the array)."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    S = k_cache.shape[2]
+    if S < min_len:
+        pad = ((0, 0), (0, 0), (0, min_len - S), (0, 0), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    return k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def _online_update(s, v, m_ref, l_ref, acc_ref):
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
@@ -61,7 +80,7 @@ def _online_update(s, v, m_ref, l_ref, acc_ref):
     m_ref[...] = m_new
 
 
-def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *,
+def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *,
             scale: float, block_k: int, cache_len: int):
     b, j = pl.program_id(0), pl.program_id(2)
     prefix = prefix_ref[b]
@@ -99,19 +118,16 @@ def _block_start(j, block_k: int, cache_len: int):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "interpret"))
-def tree_attention(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
-                   tree_mask_BxTxT, *, scale: float, block_k: int = 128, interpret: bool = False):
+def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
+                   scale: float, layer=None, block_k: int = 128, interpret: bool = False):
     """Pallas TPU tree attention (see the module docstring for blocking and layout)."""
     B, T, N, D = q_BxTxNxD.shape
-    S, K = k_cache_BxSxKxD.shape[1], k_cache_BxSxKxD.shape[2]
+    kc, vc, layer = stacked_cache(k_cache, v_cache, layer, block_k)
+    L, _, S, K, _ = kc.shape
     G = N // K
     # KV heads per program: the fewest whose lanes fill whole 128-lane vregs, else all of them
     hk = next((h for h in range(1, K + 1) if K % h == 0 and h * D % 128 == 0), K)
-    if S < block_k:  # shorter than one block: pad (a small copy) so every block stays in bounds
-        pad = ((0, 0), (0, block_k - S), (0, 0), (0, 0))
-        k_cache_BxSxKxD, v_cache_BxSxKxD = jnp.pad(k_cache_BxSxKxD, pad), jnp.pad(v_cache_BxSxKxD, pad)
-        S = block_k
-    kc, vc = k_cache_BxSxKxD.reshape(B, S, K * D), v_cache_BxSxKxD.reshape(B, S, K * D)  # free: no copy
+    kc, vc = kc.reshape(L, B, S, K * D), vc.reshape(L, B, S, K * D)  # free: no copy
     # head-major layouts of the small operands: [B, K, rows, D]
     q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
     kn = k_new_BxTxKxD.astype(kc.dtype).transpose(0, 2, 1, 3)
@@ -119,18 +135,18 @@ def tree_attention(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_
     mask = jnp.tile(tree_mask_BxTxT.astype(jnp.int32), (1, G, 1))  # [B, G·T, T]: rows are g-major, row = g·T + t
     prefix = prefix_len_B.astype(jnp.int32)
 
-    def kv_index(b, g, j, prefix_ref):  # element offsets; past the prefix: the last block again (no DMA)
+    def kv_index(b, g, j, prefix_ref, layer_ref):  # element offsets; past the prefix: the last block again (no DMA)
         last = jnp.maximum((prefix_ref[b] + block_k - 1) // block_k - 1, 0)
-        return (b, _block_start(jnp.minimum(j, last), block_k, S), g * hk * D)
+        return (layer_ref[0], b, _block_start(jnp.minimum(j, last), block_k, S), g * hk * D)
 
-    heads = lambda b, g, j, p: (b, g, 0, 0)
-    kv_spec = pl.BlockSpec((None, pl.Element(block_k), pl.Element(hk * D)), kv_index)
+    heads = lambda b, g, j, *_: (b, g, 0, 0)
+    kv_spec = pl.BlockSpec((None, None, pl.Element(block_k), pl.Element(hk * D)), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(B, K // hk, -(-S // block_k)),
         in_specs=[pl.BlockSpec((None, hk, G * T, D), heads), kv_spec, kv_spec,
                   pl.BlockSpec((None, hk, T, D), heads), pl.BlockSpec((None, hk, T, D), heads),
-                  pl.BlockSpec((None, G * T, T), lambda b, g, j, p: (b, 0, 0))],
+                  pl.BlockSpec((None, G * T, T), lambda b, g, j, *_: (b, 0, 0))],
         out_specs=pl.BlockSpec((None, hk, G * T, D), heads),
         scratch_shapes=[pltpu.VMEM((hk, G * T, 1), jnp.float32), pltpu.VMEM((hk, G * T, 1), jnp.float32),
                         pltpu.VMEM((hk, G * T, D), jnp.float32)],
@@ -142,7 +158,7 @@ def tree_attention(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_
         interpret=interpret,
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
-    )(prefix, q, kc, vc, kn, vn, mask)
+    )(prefix, layer, q, kc, vc, kn, vn, mask)
     return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
 
 
@@ -150,12 +166,13 @@ def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not B
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pick_kernel(dtype, interpret: str | None = None):
-    """The kernel ``attention`` runs for inputs of ``dtype``, or ``None`` for the XLA reference.
+def pick_kernel(dtype, head_dim: int, interpret: str | None = None):
+    """The kernel ``attention`` runs for ``dtype`` inputs, or ``None`` for the XLA reference.
 
     ``interpret=None`` picks by the default device: the Mosaic TPU kernel on a TPU, the
-    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32).
-    ``interpret="tpu"`` / ``"gpu"`` returns that kernel in its CPU interpreter.
+    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32) and
+    head_dim 64/128.  ``interpret="tpu"`` / ``"gpu"`` returns that kernel in its CPU
+    interpreter.
     """
     from pallas_kernels import tree_attention_mgpu as mgpu
 
@@ -167,14 +184,13 @@ def pick_kernel(dtype, interpret: str | None = None):
     device = jax.devices()[0]
     if device.platform == "tpu":
         return tree_attention
-    if _is_hopper(device) and jnp.dtype(dtype) in map(jnp.dtype, mgpu.DTYPES):
+    if _is_hopper(device) and mgpu.supports(dtype, head_dim):
         return mgpu.tree_attention_mgpu
     return None
 
 
-def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, interpret: str | None = None):
-    """Dispatcher: the kernel ``pick_kernel`` chooses for ``q.dtype``, else the XLA reference."""
-    kernel = pick_kernel(q.dtype, interpret)
-    if kernel is None:
-        return tree_attention_ref(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale)
-    return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale)
+def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, layer=None,
+              interpret: str | None = None):
+    """Dispatcher: the kernel ``pick_kernel`` chooses for ``q``, else the XLA reference."""
+    kernel = pick_kernel(q.dtype, q.shape[-1], interpret) or tree_attention_ref
+    return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale, layer=layer)

@@ -19,15 +19,17 @@ Kernel layout and blocking
 * per block: Q tile ``[64, D]`` in SMEM; ``S = Q·Kᵀ`` and ``acc += P·V`` on WGMMA with f32
   accumulators; online softmax (``m``, ``l``, ``acc [64, D]``) in f32 registers; each block
   writes its normalised partial output and log-sum-exp (f32), and the partials are merged
-  by ``combine_partials`` (plain XLA, ``(splits + 1)·B·N·T·D`` floats).
+  in XLA (``(splits + 1)·B·N·T·D`` floats).
 * ``splits`` defaults to enough blocks for about two per SM, with at least 4 cache blocks
-  per split.  SMEM: ``(2·max_concurrent_steps·block_kv + 64)·D`` 16-bit elements plus the
-  f32 output tile (144 KiB at D = 128 with the defaults).
+  per split.  SMEM per block: the K/V pipeline and the Q tile,
+  ``(2·max_concurrent_steps·block_kv + 64)·D`` 16-bit elements, plus the f32 output tile
+  ``64·D``: 176 KiB at D = 128 with the defaults, so head_dim is 64 or 128.
 
 Inputs must be bfloat16 or float16: WGMMA has no float32 mode (float32 operands would run
 as TF32, ~1e-3 relative), so the dispatcher sends float32 to the XLA reference instead.
 ``interpret=True`` runs the kernel in the Mosaic GPU interpreter on the CPU (TMA copies,
-barriers and WGMMA simulated); ``lower_for_hopper`` lowers it for sm_90a without a GPU.
+barriers and WGMMA simulated); ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``
+lowers the compiled program for sm_90a without a GPU (the tests do both).
 """
 
 from __future__ import annotations
@@ -40,16 +42,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.tree_attention import stacked_cache
+
 BLOCK_Q = 64  # one warpgroup's WGMMA M tile
 MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 128)  # SMEM holds a 4-deep K/V pipeline of 64-slot blocks up to D = 128
+
+
+def _is_16bit(dtype) -> bool:
+    return jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
+
+
+def supports(dtype, head_dim: int) -> bool:
+    """Whether the kernel takes ``dtype`` inputs with this head_dim."""
+    return _is_16bit(dtype) and head_dim in HEAD_DIMS
 
 
 def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132  # 132: H100/H200 SXM
 
 
-def default_splits(row_tiles: int, kv_heads: int, batch: int, cache_len: int, block_kv: int) -> int:
+def _default_splits(row_tiles: int, kv_heads: int, batch: int, cache_len: int, block_kv: int) -> int:
     """Cache splits per (row tile, head, sequence): ~2 blocks per SM, ≥ 4 cache blocks each."""
     blocks = row_tiles * kv_heads * batch
     return max(1, min(-(-2 * _num_sms() // blocks), cache_len // (4 * block_kv)))
@@ -98,13 +112,13 @@ def _softmax_step(carry, q_smem, k_smem, v_smem, mask_fn, *, scale, interpret):
     return acc_QxD * lax.broadcast_in_dim(alpha, acc_QxD.shape, [0]) + pv_QxD, m_new, l_Q
 
 
-def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem,
+def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem,
             q_barrier, *, scale, block_kv, splits, max_concurrent_steps, interpret):
     r_tile, h, bs = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("bs")
     b, split = lax.div(bs, splits + 1), lax.rem(bs, splits + 1)
     rows = pl.ds(r_tile * BLOCK_Q, BLOCK_Q)
     D = q_smem.shape[1]
-    S = k_ref.shape[1]
+    S = k_ref.shape[2]
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_barrier)
     plgpu.barrier_wait(q_barrier)
@@ -142,7 +156,7 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, ls
         spec = plgpu.BlockSpec((pl.Element(block_kv), D), lambda i: (start(i), 0))
         carry = plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec, spec],
                                     max_concurrent_steps=max_concurrent_steps, init_carry=init)(
-            k_ref.at[b, :, h], v_ref.at[b, :, h])
+            k_ref.at[layer_ref[0], b, :, h], v_ref.at[layer_ref[0], b, :, h])
         finish(carry)
 
     @pl.when(split == splits)
@@ -159,7 +173,7 @@ def _kernel(prefix_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, ls
         finish(carry)
 
 
-def combine_partials(o_PxBxKxRxD, lse_PxBxKxR):
+def _combine_partials(o_PxBxKxRxD, lse_PxBxKxR):
     """Merges per-split normalised partials by their log-sum-exp weights (f32)."""
     lse_max = lse_PxBxKxR.max(axis=0)
     w = jnp.exp(lse_PxBxKxR - lse_max)
@@ -167,7 +181,7 @@ def combine_partials(o_PxBxKxRxD, lse_PxBxKxR):
     return (w[..., None] * o).sum(0) / w.sum(0)[..., None]
 
 
-def _tree_bias(tree_mask_BxTxT, groups: int, rows_pad: int, t_pad: int):
+def _tree_bias(tree_mask_BxTxT, rows_pad: int, t_pad: int):
     """Additive ``[B, rows_pad, T_pad]`` bias: 0 where row ``g·T + t`` sees new key ``t'``."""
     B, T, _ = tree_mask_BxTxT.shape
     t_of_row = jnp.arange(rows_pad) % T  # padded rows copy a real row: finite, then dropped
@@ -179,30 +193,32 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _call(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT,
-          *, scale, block_kv, splits, max_concurrent_steps, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "splits", "max_concurrent_steps", "interpret"))
+def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
+                        scale: float, layer=None, block_kv: int = 64, splits: int | None = None,
+                        max_concurrent_steps: int = 4, interpret: bool = False):
+    """Mosaic GPU tree attention (see the module docstring for blocking and layout)."""
     B, T, N, D = q_BxTxNxD.shape
-    S, K = k_cache_BxSxKxD.shape[1], k_cache_BxSxKxD.shape[2]
-    G, dtype = N // K, q_BxTxNxD.dtype
-    if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES) or k_cache_BxSxKxD.dtype != dtype:
+    K, dtype = k_cache.shape[-2], q_BxTxNxD.dtype
+    G = N // K
+    if not _is_16bit(dtype) or k_cache.dtype != dtype:
         raise TypeError(f"tree_attention_mgpu: q and the cache must both be bfloat16 or float16, got q {dtype}, "
-                        f"cache {k_cache_BxSxKxD.dtype} (float32 goes to tree_attention_ref)")
-    if D % 64 or N % K:
-        raise ValueError(f"tree_attention_mgpu: head_dim {D} must be a multiple of 64 and heads {N} of kv heads {K}")
-    if S < block_kv:  # shorter than one block: pad (a small copy) so every TMA stays in bounds
-        pad = ((0, 0), (0, block_kv - S), (0, 0), (0, 0))
-        k_cache_BxSxKxD, v_cache_BxSxKxD = jnp.pad(k_cache_BxSxKxD, pad), jnp.pad(v_cache_BxSxKxD, pad)
-        S = block_kv
+                        f"cache {k_cache.dtype} (float32 goes to tree_attention_ref)")
+    if D not in HEAD_DIMS or N % K:
+        raise ValueError(f"tree_attention_mgpu: head_dim {D} must be one of {HEAD_DIMS} and heads {N} a multiple "
+                         f"of kv heads {K}")
+    kc, vc, layer = stacked_cache(k_cache, v_cache, layer, block_kv)
+    S = kc.shape[2]
     R = G * T
     R_pad, T_pad = _round_up(R, BLOCK_Q), _round_up(T, 64)
     row_tiles = R_pad // BLOCK_Q
     if splits is None:
-        splits = default_splits(row_tiles, K, B, S, block_kv)
+        splits = _default_splits(row_tiles, K, B, S, block_kv)
 
     q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, R, D)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
     new = lambda x: jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
-    bias = _tree_bias(tree_mask_BxTxT, G, R_pad, T_pad)
+    bias = _tree_bias(tree_mask_BxTxT, R_pad, T_pad)
 
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, block_kv=block_kv, splits=splits,
@@ -216,9 +232,8 @@ def _call(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxK
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else None,
     )
-    o, lse = kernel(prefix_len_B.astype(jnp.int32), q, k_cache_BxSxKxD, v_cache_BxSxKxD, new(k_new_BxTxKxD),
-                    new(v_new_BxTxKxD), bias)
-    out = combine_partials(o, lse)[:, :, :R]  # [B, K, R, D]
+    o, lse = kernel(prefix_len_B.astype(jnp.int32), layer, q, kc, vc, new(k_new_BxTxKxD), new(v_new_BxTxKxD), bias)
+    out = _combine_partials(o, lse)[:, :, :R]  # [B, K, R, D]
     return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(dtype)
 
 
@@ -227,12 +242,3 @@ def _interpret_params():
 
     return InterpretGPUParams()
 
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "splits", "max_concurrent_steps", "interpret"))
-def tree_attention_mgpu(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
-                        tree_mask_BxTxT, *, scale: float, block_kv: int = 64, splits: int | None = None,
-                        max_concurrent_steps: int = 4, interpret: bool = False):
-    """Mosaic GPU tree attention (see the module docstring for blocking and layout)."""
-    return _call(q_BxTxNxD, k_cache_BxSxKxD, v_cache_BxSxKxD, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD,
-                 tree_mask_BxTxT, scale=scale, block_kv=block_kv, splits=splits,
-                 max_concurrent_steps=max_concurrent_steps, interpret=interpret)
