@@ -124,15 +124,16 @@ def available() -> bool:
     return (TARGET_DIR / "config.json").exists() and (DRAFTER_DIR / "config.json").exists()
 
 
-def load(dtype: str = "float32"):
+def load(dtype: str = "float32", attention_impl: str = "xla"):
     """``(target, drafter, tokenizer)`` of the built-in pair (float32 compute by default: on a
-    CPU bfloat16 matmuls are slower, the shipped weights are bfloat16)."""
+    CPU bfloat16 matmuls are slower, the shipped weights are bfloat16); ``attention_impl`` as
+    in :func:`eagle3_jax.load_target`."""
     from transformers import AutoTokenizer
 
     from eagle3_jax.checkpoint import load_drafter, load_target
 
     if not available():
         raise FileNotFoundError(f"the built-in pair is missing under {ASSETS}; rebuild it with `python -m train.builtin`")
-    target = load_target(TARGET_DIR, dtype=dtype)
+    target = load_target(TARGET_DIR, dtype=dtype, attention_impl=attention_impl)
     drafter = load_drafter(DRAFTER_DIR, target=target, dtype=dtype)
     return target, drafter, AutoTokenizer.from_pretrained(str(TARGET_DIR), local_files_only=True)

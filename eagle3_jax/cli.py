@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3_jax.layers import ATTENTION_IMPLS
+
 
 def describe_checkpoint(path: Path) -> dict:
     """A JSON-able description of a target or drafter checkpoint directory."""
@@ -78,8 +80,8 @@ def _load_pair(args):
     if args.target is None:
         if args.drafter:
             raise ValueError("--drafter needs --target (without --target the built-in pair is used)")
-        return (*builtin.load(args.dtype or "float32"), True)
-    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+        return (*builtin.load(args.dtype or "float32", attention_impl=args.attention), True)
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention)
     drafter = eagle3_jax.load_drafter(args.drafter, target=target) if args.drafter else None
     return target, drafter, _tokenizer(Path(args.target)), False
 
@@ -183,6 +185,9 @@ def _common(p):
     p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
     p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's; float32 built in)")
+    p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
+                   help="target attention: xla, or pallas (the tree-attention kernel where one runs: TPU, Hopper "
+                        "GPU with bfloat16; XLA elsewhere); *_interpret: a kernel in its CPU interpreter (slow)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

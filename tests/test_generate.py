@@ -204,7 +204,7 @@ def test_cli_generate_prints_tokens_and_tau(capsys):
     gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
     ids = ",".join(map(str, gold["p0_prompt"]))
     assert main(["generate", "--target", str(FIXTURES / "target_tiny"), "--drafter", str(FIXTURES / "drafter_tiny_trained"),
-                 "--prompt-ids", ids, "--max-new-tokens", "16", "--tree", "16,4,4"]) == 0
+                 "--prompt-ids", ids, "--max-new-tokens", "16", "--tree", "16,4,4", "--attention", "pallas"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0].split()
     assert [int(x) for x in first] == gold["p0_ea_output_ids"][len(gold["p0_prompt"]):][:16].tolist()
