@@ -57,6 +57,19 @@ def tree_attention_ref(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD,
     return out.reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
 
 
+def rows_by_kv_head(q_BxTxNxD, kv_heads: int):
+    """``[B, T, N, D] → [B, K, G·T, D]``: the query rows sharing each KV head, ``row = g·T + t``."""
+    B, T, N, D = q_BxTxNxD.shape
+    G = N // kv_heads
+    return q_BxTxNxD.reshape(B, T, kv_heads, G, D).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, G * T, D)
+
+
+def rows_to_tokens(o_BxKxRxD, T: int):
+    """Inverse of ``rows_by_kv_head``."""
+    B, K, R, D = o_BxKxRxD.shape
+    return o_BxKxRxD.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T), D)
+
+
 def stacked_cache(k_cache, v_cache, layer, min_len: int):
     """The kernels' cache view: ``[L, B, S, K, D]`` (a ``[B, S, K, D]`` cache is one layer,
     a free reshape), the layer as int32 ``[1]``, and ``S`` padded to ``min_len`` slots if
@@ -129,7 +142,7 @@ def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_n
     hk = next((h for h in range(1, K + 1) if K % h == 0 and h * D % 128 == 0), K)
     kc, vc = kc.reshape(L, B, S, K * D), vc.reshape(L, B, S, K * D)  # free: no copy
     # head-major layouts of the small operands: [B, K, rows, D]
-    q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
+    q = rows_by_kv_head(q_BxTxNxD, K)
     kn = k_new_BxTxKxD.astype(kc.dtype).transpose(0, 2, 1, 3)
     vn = v_new_BxTxKxD.astype(vc.dtype).transpose(0, 2, 1, 3)
     mask = jnp.tile(tree_mask_BxTxT.astype(jnp.int32), (1, G, 1))  # [B, G·T, T]: rows are g-major, row = g·T + t
@@ -159,7 +172,7 @@ def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_n
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
     )(prefix, layer, q, kc, vc, kn, vn, mask)
-    return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
+    return rows_to_tokens(out, T)
 
 
 def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not Blackwell)

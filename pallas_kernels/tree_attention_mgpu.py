@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_attention import stacked_cache
+from pallas_kernels.tree_attention import rows_by_kv_head, rows_to_tokens, stacked_cache
 
 BLOCK_Q = 64  # one warpgroup's WGMMA M tile
 MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN
@@ -215,8 +215,7 @@ def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD
     if splits is None:
         splits = _default_splits(row_tiles, K, B, S, block_kv)
 
-    q = q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, R, D)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
+    q = jnp.pad(rows_by_kv_head(q_BxTxNxD, K), ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
     new = lambda x: jnp.pad(x.astype(dtype).transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
     bias = _tree_bias(tree_mask_BxTxT, R_pad, T_pad)
 
@@ -234,7 +233,7 @@ def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD
     )
     o, lse = kernel(prefix_len_B.astype(jnp.int32), layer, q, kc, vc, new(k_new_BxTxKxD), new(v_new_BxTxKxD), bias)
     out = _combine_partials(o, lse)[:, :, :R]  # [B, K, R, D]
-    return out.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(dtype)
+    return rows_to_tokens(out, T).astype(dtype)
 
 
 def _interpret_params():
