@@ -72,14 +72,15 @@ def rows_to_tokens(o_BxKxRxD, T: int):
 
 def stacked_cache(k_cache, v_cache, layer, min_len: int):
     """The kernels' cache view: ``[L, B, S, K, D]`` (a ``[B, S, K, D]`` cache is one layer,
-    a free reshape), the layer as int32 ``[1]``, and ``S`` padded to ``min_len`` slots if
-    shorter (a small copy, so that every cache block lies inside the array)."""
+    a free reshape) and the layer as int32 ``[1]``.  A cache shorter than one block
+    (``min_len`` slots) is the one case that copies: the layer read, padded, so that every
+    block lies inside the array."""
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     S = k_cache.shape[2]
     if S < min_len:
-        pad = ((0, 0), (0, 0), (0, min_len - S), (0, 0), (0, 0))
-        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+        pad = ((0, 0), (0, min_len - S), (0, 0), (0, 0))
+        k_cache, v_cache, layer = jnp.pad(k_cache[layer], pad)[None], jnp.pad(v_cache[layer], pad)[None], 0
     return k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1)
 
 

@@ -113,27 +113,30 @@ def _sampling_run(target, drafter, prompt, n, seed):
     return np.array(res.tokens), res
 
 
-def test_sampling_matches_target_distribution(target, drafters):
-    gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
-    prompt = gold["p0_prompt"].tolist()
+@pytest.fixture(scope="module")
+def vanilla_samples(target):
+    """2000 vanilla samples of the golden prompt: the target's own distribution."""
+    prompt = np.load(FIXTURES / "eagenerate_greedy_trained.npz")["p0_prompt"].tolist()
+    return prompt, _sampling_run(target, None, prompt, 2000, seed=2)[0]
+
+
+def test_sampling_matches_target_distribution(target, drafters, vanilla_samples):
+    prompt, base = vanilla_samples
     spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
     assert res.stats["accepted"] > 400  # the drafter's proposals are actually being accepted
-    base, _ = _sampling_run(target, None, prompt, 2000, seed=2)
     for pos in (1, 2):  # tokens produced by tree verification
         bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
         top = bins[0][np.argsort(-bins[1])[:12]]
         assert _chi2_pvalue(spec[:, pos], base[:, pos], top) > 1e-3
 
 
-def test_biased_acceptance_is_detected(target, drafters, monkeypatch):
+def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkeypatch):
     """The same test fails when acceptance is deliberately biased (accept with 3·p)."""
+    prompt, base = vanilla_samples
     monkeypatch.setattr(verify_mod, "_accepts", lambda u, remaining, p: u * remaining < 3 * p)
     jax.clear_caches()
     gen_mod._COMPILED.clear()
-    gold = np.load(FIXTURES / "eagenerate_greedy_trained.npz")
-    prompt = gold["p0_prompt"].tolist()
     spec, _ = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
-    base, _ = _sampling_run(target, None, prompt, 2000, seed=2)
     pvals = []
     for pos in (1, 2):
         bins = np.unique(np.concatenate([spec[:, pos], base[:, pos]]), return_counts=True)
