@@ -1,5 +1,6 @@
 """Pallas tree attention (TPU and GPU kernels in their CPU interpreters) against the jnp
-reference twin; the GPU kernel is also lowered for Hopper (sm_90a) without a GPU."""
+reference twin, inside the decode loop too; both kernels are also lowered for real chips
+(TPU v5e, Hopper sm_90a) without one."""
 
 import functools
 
@@ -42,7 +43,8 @@ def _inputs(B, gqa, D, T, mask, dtype, S=150):
     N = K * gqa
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
     q, kc, vc, kn, vn = arr(B, T, N, D), arr(B, S, K, D), arr(B, S, K, D), arr(B, T, K, D), arr(B, T, K, D)
-    # prefixes not multiples of the block (64), incl. an empty cache and a full one
+    # prefixes around the 64-slot block boundary, an empty cache and (B > 1) a full one, whose
+    # last block overlaps the one before it (150 is not a multiple of 64)
     prefix = jnp.asarray(rng.choice([0, 1, 63, 64, 97, S], size=B), jnp.int32).at[0].set(0)
     if B > 1:
         prefix = prefix.at[-1].set(S)
