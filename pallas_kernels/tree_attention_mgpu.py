@@ -28,8 +28,10 @@ Kernel layout and blocking
 Inputs must be bfloat16 or float16: WGMMA has no float32 mode (float32 operands would run
 as TF32, ~1e-3 relative), so the dispatcher sends float32 to the XLA reference instead.
 ``interpret=True`` runs the kernel in the Mosaic GPU interpreter on the CPU (TMA copies,
-barriers and WGMMA simulated); ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``
-lowers the compiled program for sm_90a without a GPU (the tests do both).
+barriers and WGMMA simulated).  The interpreter (jax 0.10) has no transposed or register
+WGMMA operand and no ``run_state``, so those few lines take other, equivalent forms in
+interpret mode (``_wgmma``, ``_softmax_step``); the compiled form is checked by lowering it
+for sm_90a without a GPU (``lower(lowering_platforms=("cuda",))``).  The tests do both.
 """
 
 from __future__ import annotations
@@ -90,8 +92,7 @@ def _wgmma(acc_ref, a, b_ref, *, transpose_b: bool, interpret: bool):
 
 
 def _softmax_step(carry, q_smem, k_smem, v_smem, mask_fn, *, scale, interpret):
-    """One online-softmax step over a ``[n, D]`` key/value block held in SMEM.  ``P·V`` goes
-    to a fresh accumulator added to the rescaled one (the interpreter has no ``run_state``)."""
+    """One online-softmax step over a ``[n, D]`` key/value block held in SMEM."""
     acc_QxD, m_Q, l_Q = carry
 
     def qk(acc_ref):
@@ -104,12 +105,18 @@ def _softmax_step(carry, q_smem, k_smem, v_smem, mask_fn, *, scale, interpret):
     p_QxN = jnp.exp(s_QxN - lax.broadcast_in_dim(m_new, s_QxN.shape, [0]))
     l_Q = l_Q * alpha + p_QxN.sum(axis=1)
 
+    acc_QxD = acc_QxD * lax.broadcast_in_dim(alpha, acc_QxD.shape, [0])
+
     def pv(acc_ref):
         _wgmma(acc_ref, p_QxN.astype(v_smem.dtype), v_smem, transpose_b=False, interpret=interpret)
-        return acc_ref[...]
 
-    pv_QxD = pl.run_scoped(pv, plgpu.ACC(acc_QxD.shape, jnp.float32))
-    return acc_QxD * lax.broadcast_in_dim(alpha, acc_QxD.shape, [0]) + pv_QxD, m_new, l_Q
+    if interpret:  # no run_state there: P·V into a fresh accumulator, then added
+        def fresh(acc_ref):
+            pv(acc_ref)
+            return acc_ref[...]
+
+        return acc_QxD + pl.run_scoped(fresh, plgpu.ACC(acc_QxD.shape, jnp.float32)), m_new, l_Q
+    return pl.run_state(pv)(plgpu.ACC.init(acc_QxD)), m_new, l_Q  # accumulates in place: one [64, D] live
 
 
 def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem,
@@ -119,6 +126,7 @@ def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref
     rows = pl.ds(r_tile * BLOCK_Q, BLOCK_Q)
     D = q_smem.shape[1]
     S = k_ref.shape[2]
+    layer = layer_ref[0]
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_barrier)
     plgpu.barrier_wait(q_barrier)
@@ -156,7 +164,7 @@ def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref
         spec = plgpu.BlockSpec((pl.Element(block_kv), D), lambda i: (start(i), 0))
         carry = plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec, spec],
                                     max_concurrent_steps=max_concurrent_steps, init_carry=init)(
-            k_ref.at[layer_ref[0], b, :, h], v_ref.at[layer_ref[0], b, :, h])
+            k_ref.at[layer, b, :, h], v_ref.at[layer, b, :, h])
         finish(carry)
 
     @pl.when(split == splits)
