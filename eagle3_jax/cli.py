@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import pickle
 import sys
+import zipfile
 from pathlib import Path
 
+from eagle3_jax.checkpoint import DTYPES
 from eagle3_jax.layers import ATTENTION_IMPLS
+
+# errors a user's input can cause: one line on stderr, exit 2 (--debug: the traceback)
+INPUT_ERRORS = (OSError, ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, pickle.UnpicklingError,
+                zipfile.BadZipFile, EOFError)
 
 
 def describe_checkpoint(path: Path) -> dict:
@@ -16,6 +25,8 @@ def describe_checkpoint(path: Path) -> dict:
     from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
 
     raw = read_config_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{Path(path) / 'config.json'}: expected a JSON object, got a {type(raw).__name__}")
     files = sorted(p.name for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
     if is_drafter_config(raw):
         cfg = DrafterConfig.from_dict(raw, source=str(Path(path) / "config.json"))
@@ -97,17 +108,25 @@ def _cmd_generate(args) -> int:
     from eagle3_jax import builtin
     from eagle3_jax.bench import parse_tree, tree_name
 
+    given = [name for name, v in (("PROMPT", args.prompt), ("--prompt", args.prompt_flag),
+                                  ("--prompt-ids", args.prompt_ids)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one prompt, not {' and '.join(given)}")
+    if not given:
+        raise ValueError("give a prompt: eagle3-jax generate \"TEXT\" (or --prompt-ids 1,2,3)")
     target, drafter, tok, is_builtin = _load_pair(args)
     text = args.prompt if args.prompt is not None else args.prompt_flag
     if args.prompt_ids:
-        prompts = [[int(x) for x in args.prompt_ids.split(",")]]
-    elif text is not None:
-        if tok is None:
-            raise ValueError(f"{args.target} has no tokenizer: pass --prompt-ids 1,2,3 instead of a text prompt")
-        prompts = [_encode(tok, text, args.raw)]
+        vocab = target.config.vocab_size
+        if max(args.prompt_ids) >= vocab:
+            raise ValueError(f"--prompt-ids: token id {max(args.prompt_ids)} is out of range for the target's "
+                             f"vocabulary (0..{vocab - 1})")
+        prompts = [args.prompt_ids]
     else:
-        raise ValueError("give a prompt: eagle3-jax generate \"TEXT\" (or --prompt-ids 1,2,3)")
-    tree = parse_tree(args.tree or (builtin.DEFAULT_TREE if is_builtin else "60,7,10"))
+        if tok is None:
+            raise ValueError(f"--target {args.target} has no tokenizer: pass --prompt-ids 1,2,3 instead of a text prompt")
+        prompts = [_encode(tok, text, args.raw)]
+    tree = args.tree or parse_tree(builtin.DEFAULT_TREE if is_builtin else "60,7,10")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, tree=tree)
 
@@ -144,12 +163,24 @@ def _cmd_bench(args) -> int:
     from eagle3_jax import builtin
     from eagle3_jax.bench import load_prompts, parse_tree, run_bench, write_figure
 
-    target, drafter, tok, is_builtin = _load_pair(args)
-    if drafter is None:
+    if args.target is not None and args.drafter is None:
         raise ValueError("bench needs --drafter (or no --target, for the built-in pair)")
+    json_path = check_output_path(args.json, "--json")
+    figure_path = check_output_path(args.figure, "--figure")
+    if json_path.absolute() == figure_path.absolute():
+        raise ValueError(f"--json and --figure name the same file ({json_path})")
+    if figure_path.suffix.lower().lstrip(".") not in _figure_formats():
+        raise ValueError(f"--figure {figure_path}: unsupported image format {figure_path.suffix!r} "
+                         f"(use one of {', '.join('.' + f for f in _figure_formats())})")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+    target, drafter, tok, is_builtin = _load_pair(args)
     grade = None
     if args.prompts:
-        prompts = load_prompts(args.prompts, tok)
+        try:
+            prompts = load_prompts(args.prompts, tok)
+        except (ValueError, TypeError) as e:
+            raise ValueError(str(e) if str(args.prompts) in str(e) else f"--prompts {args.prompts}: {e}") from None
     elif is_builtin:
         tasks = builtin.eval_tasks()[: args.num_prompts]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
@@ -159,7 +190,7 @@ def _cmd_bench(args) -> int:
 
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts or 4)]
-    trees = [parse_tree(t) for t in args.tree or (builtin.BENCH_TREES if is_builtin else ["60,7,10"])]
+    trees = args.tree or [parse_tree(t) for t in (builtin.BENCH_TREES if is_builtin else ["60,7,10"])]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
     parts: dict = {}
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=args.max_new_tokens, temperature=t,
@@ -167,10 +198,60 @@ def _cmd_bench(args) -> int:
                          repeats=args.repeats, grade=grade, parts=parts) for t in temperatures]
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "reports": reports}
-    Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-    write_figure(reports, args.figure)
-    print(f"wrote {args.json} and {args.figure}")
+    text = json.dumps(doc, indent=2) + "\n"
+    try:
+        write_atomic(json_path, text)
+    except OSError as e:  # the benchmark is done: never lose it
+        print(text)
+        raise OSError(f"--json {json_path}: cannot write it ({e.strerror or e}); "
+                      "the report is on stdout instead") from None
+    figure_path.parent.mkdir(parents=True, exist_ok=True)
+    write_figure(reports, figure_path)
+    print(f"wrote {json_path} and {figure_path}")
     return 0
+
+
+def _figure_formats() -> list[str]:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_output_path(path, name: str, *, directory: bool = False) -> Path:
+    """Checks, before any long work, that ``path`` (a file, or with ``directory`` a
+    directory) can be written: an existing one must be of that kind and writable, else its
+    nearest existing parent must be a writable directory (missing parents are created when
+    the output is written).  Raises ``NotADirectoryError`` / ``IsADirectoryError`` /
+    ``PermissionError`` naming ``name`` and the path."""
+    path = Path(path)
+    if path.exists():
+        if directory and not path.is_dir():
+            raise NotADirectoryError(f"{name} {path}: exists and is not a directory")
+        if not directory and path.is_dir():
+            raise IsADirectoryError(f"{name} {path}: is a directory, expected a file path")
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{name} {path}: not writable")
+        return path
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{name} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{name} {path}: cannot create it in {parent} (not writable)")
+    return path
+
+
+def write_atomic(path: Path, text: str):
+    """Writes ``text`` to ``path`` through a temporary file beside it (missing parent
+    directories created): ``path`` is either its old content or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _cmd_train(args) -> int:
@@ -181,76 +262,178 @@ def _cmd_train(args) -> int:
     return 0
 
 
+class _UsageError(Exception):
+    """A command-line usage error (argparse's), reported in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _number(kind, name: str, *, lo=None, hi=None, lo_open: bool = False):
+    """An argparse ``type``: ``kind`` (int / float, finite) within ``[lo, hi)`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a finite number'}, got {text!r}")
+        low_bad = lo is not None and (value <= lo if lo_open else value < lo)
+        high_bad = hi is not None and (value > hi if lo_open else value >= hi)
+        if low_bad or high_bad:
+            bounds = (f"{'>' if lo_open else '>='} {lo}" if lo is not None else "") + \
+                     (" and " if lo is not None and hi is not None else "") + \
+                     (f"{'<=' if lo_open else '<'} {hi}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value" messages
+    return parse
+
+
+def _tree(text: str):
+    from eagle3_jax.bench import parse_tree
+
+    try:
+        return parse_tree(text)
+    except ValueError as e:
+        detail = "" if str(e).startswith("--tree") else f" ({e})"
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN "
+                                         f"(e.g. chain4){detail}") from None
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative token ids (e.g. 1,2,3), got {text!r}")
+    return ids
+
+
 def _common(p):
     p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
     p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's; float32 built in)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="target weights' dtype (default: the checkpoint's; float32 built in)")
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
                    help="target attention: xla, or pallas (the tree-attention kernel where one runs: TPU, Hopper "
                         "GPU with bfloat16; XLA elsewhere); *_interpret: a kernel in its CPU interpreter (slow)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_number(int, "max-new-tokens", lo=1), default=256)
+    p.add_argument("--top-p", type=_number(float, "top-p", lo=0.0, hi=1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=_number(int, "top-k", lo=0), default=0, help="0: no top-k")
+    p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3-jax", description="EAGLE-3 speculative decoding on JAX")
+    """The ``eagle3-jax`` argument parser (usage errors raise ``_UsageError``)."""
+    parser = _Parser(prog="eagle3-jax", description="EAGLE-3 speculative decoding on JAX. Errors are one line on "
+                                                    "stderr with exit status 2; --debug shows the traceback.")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="describe a target or drafter checkpoint directory")
     info.add_argument("path")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     info.set_defaults(func=_cmd_info)
 
+    temperature = _number(float, "temperature", lo=0.0)
     gen = sub.add_parser("generate", help="answer a prompt with EAGLE-3 (the built-in pair by default) and "
                                           "compare with vanilla decoding")
     gen.add_argument("prompt", nargs="?", help="prompt text (chat template applied when the tokenizer has one)")
     _common(gen)
     gen.add_argument("--prompt", dest="prompt_flag", help="prompt text (same as the positional argument)")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--tree", help="tree budget TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN "
-                                    "(default: the built-in pair's best, else 60,7,10)")
+    gen.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (>= 0)")
+    gen.add_argument("--tree", type=_tree, help="tree budget TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN "
+                                                "(default: the built-in pair's best, else 60,7,10)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    gen.add_argument("--prompt-ids", type=_token_ids, help="comma-separated prompt token ids")
     gen.add_argument("--no-compare", action="store_true", help="skip the vanilla run (no speedup figure)")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="vanilla vs EAGLE-3 on the same prompts, in one process "
                                          "(the built-in pair and its eval set by default)")
     _common(bench)
-    bench.add_argument("--temperature", type=float, nargs="+", help="one report per temperature (default: 0 and 0.7 "
-                                                                    "for the built-in pair, else 0)")
-    bench.add_argument("--tree", nargs="+", help="tree budgets TOTAL,DEPTH,TOPK or chainN")
+    bench.add_argument("--temperature", type=temperature, nargs="+", help="one report per temperature (default: 0 "
+                                                                          "and 0.7 for the built-in pair, else 0)")
+    bench.add_argument("--tree", type=_tree, nargs="+", help="tree budgets TOTAL,DEPTH,TOPK or chainN")
     bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
-    bench.add_argument("--num-prompts", type=int, help="first N eval tasks of the built-in pair (default: all), or "
-                                                       "N random 16-token prompts when --target has no --prompts (default 4)")
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=1, help="time each setting as the fastest of N runs")
-    bench.add_argument("--json", default="bench.json", help="write the report here")
-    bench.add_argument("--figure", default="bench.png", help="write the PNG figure here")
+    bench.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
+                       help="first N eval tasks of the built-in pair (default: all), or N random 16-token prompts "
+                            "when --target has no --prompts (default 4)")
+    bench.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
+    bench.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=1,
+                       help="time each setting as the fastest of N runs")
+    bench.add_argument("--json", default="bench.json", help="write the report here (missing directories are created)")
+    bench.add_argument("--figure", default="bench.png", help="write the figure here (.png, .pdf, .svg, ...; missing "
+                                                             "directories are created)")
     bench.set_defaults(func=_cmd_bench)
 
     train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")
     train.add_argument("step", choices=["prepare", "regenerate", "vocab", "fit", "export", "all"])
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
-    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. fit.lr=1e-4 (anywhere on the line)")
-    train.add_argument("--no-resume", action="store_true", help="fit from scratch even if checkpoints exist")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, read as the key's type, e.g. fit.lr=1e-4 "
+                                                    "(anywhere on the line; unknown keys are refused)")
+    train.add_argument("--no-resume", action="store_true",
+                       help="fit (or all) starts a new run even if work_dir holds checkpoints: the earlier run's "
+                            "ckpt/, best/, best.json, metrics.jsonl and export/ are first moved to "
+                            "work_dir/previous_runs/run-<date-time>/ (never deleted or overwritten)")
+    train.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     train.set_defaults(func=_cmd_train)
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its message (a KeyError's unquoted), else its type."""
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        msg = e.args[0]
+    elif isinstance(e, OSError) and e.filename is not None and e.strerror:
+        msg = f"{e.filename}: {e.strerror}"
+    else:
+        msg = str(e)
+    msg = " ".join(msg.split())
+    if not isinstance(e, (ValueError, KeyError, OSError)) or not msg:
+        msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return msg
+
+
 def main(argv=None) -> int:
+    """Runs the command line; returns the exit status (2 for any input error, one line on
+    stderr; 130 when interrupted).  ``--debug`` re-raises errors with their traceback."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides = list(args.overrides) + extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides) + extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code or 0
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"eagle3-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"eagle3-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        from safetensors import SafetensorError
+        import yaml
+
+        known = isinstance(e, INPUT_ERRORS + (SafetensorError, yaml.YAMLError))
+        print(f"eagle3-jax {args.command}: {'error' if known else 'internal error'}: {_one_line(e)}"
+              + ("" if known else " (rerun with --debug for the traceback)"), file=sys.stderr)
+        return 2 if known else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Both the transformers-5 ``rope_parameters`` block and the older ``rope_theta`` /
 ``rope_scaling`` keys are understood.  Anything we cannot compute exactly raises a
-``ValueError`` naming the file and key, never a silently different model.
+``ValueError`` naming the file and key, never a silently different model.  Every value
+is type-checked before anything is sized from it: integers must be JSON integers (not
+booleans, floats or strings) within the bounds below, floats finite and positive,
+flags JSON booleans.
 """
 
 from __future__ import annotations
@@ -10,12 +13,100 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import reprlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Upper bounds on config sizes, far above any released model, so that a corrupt or
+# hostile config.json cannot make us allocate before the weights are checked.
+MAX_VOCAB = 1 << 24
+MAX_WIDTH = 1 << 20  # hidden_size, intermediate_size, target_hidden_size
+MAX_HEAD_DIM = 4096
+MAX_HEADS = 4096
+MAX_LAYERS = 4096
+MAX_POSITIONS = (1 << 31) - 1
+MAX_CONFIG_BYTES = 16 << 20
+
+_REQUIRED = object()
+
+
+def _show(value) -> str:
+    return reprlib.repr(value)
+
+
+def _lookup(dicts, key: str, source: str, default):
+    """``(value, name)`` of ``key`` in the first of ``dicts`` (``(prefix, dict)`` pairs) that
+    sets it to a non-null value; ``default`` when none does (``ValueError`` if required)."""
+    for prefix, d in dicts:
+        if d.get(key) is not None:
+            return d[key], prefix + key
+    if default is _REQUIRED:
+        raise ValueError(f"{source}: missing required key " + " or ".join(repr(p + key) for p, _ in dicts))
+    return default, dicts[0][0] + key
+
+
+def _int(d: dict, key: str, source: str, default=_REQUIRED, *, lo: int = 1, hi: int = MAX_WIDTH,
+         hi_name: str = "", dicts=None) -> int | None:
+    value, name = _lookup(dicts or [("", d)], key, source, default)
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{source}: key {name!r} must be an integer, got {_show(value)}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{source}: key {name!r} = {value} is outside [{lo}, {hi_name or hi}]")
+    return value
+
+
+def _float(d: dict, key: str, source: str, default=_REQUIRED, *, dicts=None) -> float:
+    """A finite, strictly positive number."""
+    value, name = _lookup(dicts or [("", d)], key, source, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{source}: key {name!r} must be a number, got {_show(value)}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{source}: key {name!r} = {value} must be finite and positive")
+    return float(value)
+
+
+def _bool(d: dict, key: str, source: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: key {key!r} must be true or false, got {_show(value)}")
+    return value
+
+
+def _dict(d: dict, key: str, source: str) -> dict:
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: key {key!r} must be an object, got {_show(value)}")
+    return value
+
+
+def _str(d: dict, key: str, source: str, default: str | None) -> str | None:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ValueError(f"{source}: key {key!r} must be a string, got {_show(value)}")
+    return value
+
+
+def _layer_ids(value, what: str, num_layers: int = MAX_LAYERS, exc=ValueError, note: str = ""):
+    """Three distinct decoder-layer ids in ``[0, num_layers)`` (``exc`` for a value of the wrong type)."""
+    if not isinstance(value, (list, tuple, np.ndarray)) or len(value) != 3 or any(
+            isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in value):
+        raise exc(f"{what}={_show(value)}: need three integer decoder-layer ids")
+    ids = tuple(int(i) for i in value)
+    if any(not 0 <= i < num_layers for i in ids) or len(set(ids)) != 3:
+        raise ValueError(f"{what}={list(ids)}: need three distinct decoder-layer ids in [0, {num_layers}){note}")
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,33 +140,44 @@ class RopeConfig:
 
 def parse_rope(d: dict[str, Any], source: str, default_theta: float = 10000.0) -> RopeConfig:
     """Reads RoPE settings from a config dict (transformers 5 or older layout)."""
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
+    params, scaling = _dict(d, "rope_parameters", source), _dict(d, "rope_scaling", source)
+    dicts = [("rope_parameters.", params), ("rope_scaling.", scaling), ("", d)]
     merged = {**scaling, **params}
-    theta = merged.get("rope_theta", d.get("rope_theta", default_theta))
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
     if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"{source}: unsupported rope type {rope_type!r} (supported: default, linear, llama3)")
-    kw: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+        raise ValueError(f"{source}: unsupported rope type {_show(rope_type)} (supported: default, linear, llama3)")
+    kw: dict[str, Any] = {"theta": _float(d, "rope_theta", source, default_theta, dicts=dicts), "rope_type": rope_type}
     if rope_type in ("linear", "llama3"):
-        kw["factor"] = float(merged["factor"])
+        kw["factor"] = _float(d, "factor", source, dicts=dicts[:2])
     if rope_type == "llama3":
-        kw["low_freq_factor"] = float(merged["low_freq_factor"])
-        kw["high_freq_factor"] = float(merged["high_freq_factor"])
-        kw["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
+        kw["low_freq_factor"] = _float(d, "low_freq_factor", source, dicts=dicts[:2])
+        kw["high_freq_factor"] = _float(d, "high_freq_factor", source, dicts=dicts[:2])
+        if kw["high_freq_factor"] <= kw["low_freq_factor"]:
+            raise ValueError(f"{source}: rope high_freq_factor={kw['high_freq_factor']} must exceed "
+                             f"low_freq_factor={kw['low_freq_factor']}")
+        kw["original_max_position_embeddings"] = _int(d, "original_max_position_embeddings", source,
+                                                      hi=MAX_POSITIONS, dicts=dicts[:2])
     return RopeConfig(**kw)
 
 
 def _decoder_dims(d: dict[str, Any], source: str, default_eps: float, default_max_pos: int) -> dict[str, Any]:
-    """Sizes shared by targets and drafters (``KeyError`` on a missing required key)."""
+    """Sizes shared by targets and drafters, each type- and range-checked."""
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")
-    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-    return dict(hidden_size=hidden, intermediate_size=int(d["intermediate_size"]), num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", default_eps)),
-                max_position_embeddings=int(d.get("max_position_embeddings", default_max_pos)))
+        raise ValueError(f"{source}: hidden_act={_show(act)} is not supported (only silu)")
+    hidden = _int(d, "hidden_size", source)
+    heads = _int(d, "num_attention_heads", source, hi=MAX_HEADS)
+    kv_heads = _int(d, "num_key_value_heads", source, heads, hi=MAX_HEADS)
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if d.get("head_dim") is None and hidden // heads < 2:
+        raise ValueError(f"{source}: hidden_size={hidden} // num_attention_heads={heads} leaves no head_dim")
+    head_dim = _int(d, "head_dim", source, hidden // heads, lo=2, hi=MAX_HEAD_DIM)
+    if head_dim % 2:
+        raise ValueError(f"{source}: head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
+    return dict(hidden_size=hidden, intermediate_size=_int(d, "intermediate_size", source), num_heads=heads,
+                num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=_float(d, "rms_norm_eps", source, default_eps),
+                max_position_embeddings=_int(d, "max_position_embeddings", source, default_max_pos, hi=MAX_POSITIONS))
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
@@ -109,47 +211,56 @@ class TargetConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.capture_layers is None:
-            object.__setattr__(self, "capture_layers", default_capture_layers(self.num_layers))
-        layers = self.capture_layers
-        if len(layers) != 3 or any(not 0 <= i < self.num_layers for i in layers) or len(set(layers)) != 3:
-            raise ValueError(
-                f"capture_layers={layers}: need three distinct decoder-layer ids in [0, {self.num_layers}) "
-                f"(a target with {self.num_layers} layers is too shallow for EAGLE-3 if the defaults collide)"
-            )
+        layers = default_capture_layers(self.num_layers) if self.capture_layers is None else self.capture_layers
+        shallow = f" (a target with {self.num_layers} layers is too shallow for EAGLE-3 if the defaults collide)"
+        layers = _layer_ids(layers, "capture_layers", self.num_layers, TypeError, shallow)
+        object.__setattr__(self, "capture_layers", layers)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json", capture_layers=None) -> "TargetConfig":
+        """Parses a Hugging Face ``config.json`` dict; ``ValueError`` naming ``source`` and the key
+        for any missing, mistyped or out-of-range value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         family = d.get("model_type")
         if family not in FAMILIES:
             archs = d.get("architectures")
-            raise ValueError(f"{source}: unknown model_type {family!r} (architectures={archs}); supported: {FAMILIES}")
-        try:
-            eos = d.get("eos_token_id")
-            eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-            window = d.get("sliding_window")
-            if family == "qwen2" and not d.get("use_sliding_window", False):
-                window = None
-            return cls(
-                family=family,
-                vocab_size=int(d["vocab_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                **_decoder_dims(d, source, 1e-6, 4096),
-                rope=parse_rope(d, source),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-                o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
-                sliding_window=None if window is None else int(window),
-                capture_layers=tuple(capture_layers) if capture_layers is not None else None,
-                eos_token_ids=eos,
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            )
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
+            raise ValueError(f"{source}: unknown model_type {_show(family)} (architectures={_show(archs)}); "
+                             f"supported: {FAMILIES}")
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos):
+            raise ValueError(f"{source}: key 'eos_token_id' must be a non-negative integer or a list of them, "
+                             f"got {_show(d.get('eos_token_id'))}")
+        window = None
+        if family != "qwen2" or _bool(d, "use_sliding_window", source, False):
+            window = _int(d, "sliding_window", source, None, hi=MAX_POSITIONS)
+        attention_bias = _bool(d, "attention_bias", source, False)
+        num_layers = _int(d, "num_hidden_layers", source, hi=MAX_LAYERS)
+        if capture_layers is None:
+            _layer_ids(default_capture_layers(num_layers), f"{source}: num_hidden_layers={num_layers} gives the "
+                       f"default capture_layers", num_layers, note=" (too shallow for EAGLE-3)")
+        else:
+            capture_layers = _layer_ids(capture_layers, "capture_layers", num_layers, TypeError)
+        dtype = _str(d, "torch_dtype", source, None) or _str(d, "dtype", source, None) or "float32"
+        return cls(
+            family=family,
+            vocab_size=_int(d, "vocab_size", source, hi=MAX_VOCAB),
+            num_layers=num_layers,
+            **_decoder_dims(d, source, 1e-6, 4096),
+            rope=parse_rope(d, source),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", source, False),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=_bool(d, "mlp_bias", source, False),
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            capture_layers=capture_layers,
+            eos_token_ids=tuple(eos),
+            torch_dtype=dtype,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,21 +286,23 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
-        try:
-            vocab = int(d["vocab_size"])
-            dims = _decoder_dims(d, source, 1e-6, 2048)
-            layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            return cls(
-                vocab_size=vocab,
-                draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-                **dims,
-                # The drafter's own RoPE: an absent rope_theta means 10000, never the target's.
-                rope=parse_rope(d, source, default_theta=10000.0),
-                target_hidden_size=int(d.get("target_hidden_size") or dims["hidden_size"]),
-                capture_layers=tuple(int(i) for i in layers) if layers else None,
-            )
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
+        """Parses an EAGLE-3 drafter ``config.json`` dict; ``ValueError`` naming ``source`` and
+        the key for any missing, mistyped or out-of-range value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        vocab = _int(d, "vocab_size", source, hi=MAX_VOCAB)
+        dims = _decoder_dims(d, source, 1e-6, 2048)
+        layers = _dict(d, "eagle_config", source).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            vocab_size=vocab,
+            draft_vocab_size=_int(d, "draft_vocab_size", source, vocab, hi=vocab, hi_name=f"vocab_size={vocab}"),
+            **dims,
+            # The drafter's own RoPE: an absent rope_theta means 10000, never the target's.
+            rope=parse_rope(d, source, default_theta=10000.0),
+            target_hidden_size=_int(d, "target_hidden_size", source, dims["hidden_size"]),
+            capture_layers=None if layers is None else _layer_ids(
+                layers, f"{source}: key 'eagle_config.eagle_aux_hidden_state_layer_ids'"),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The official / SGLang / vLLM EAGLE-3 ``config.json`` for this drafter."""
@@ -226,12 +339,18 @@ class DrafterConfig:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    """Reads ``PATH/config.json`` (or PATH itself if it is a file) with clear errors."""
+    """Reads ``PATH/config.json`` (or PATH itself if it is a file) with clear errors: the
+    file must exist, hold at most ``MAX_CONFIG_BYTES`` of UTF-8 JSON, and be a JSON object."""
     path = Path(path)
     file = path if path.is_file() else path / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"{file}: no config.json (is {path} a Hugging Face checkpoint directory?)")
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{file}: {file.stat().st_size} bytes, more than a config.json can be ({MAX_CONFIG_BYTES})")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw

@@ -9,6 +9,7 @@ Records are stored as one ``.npz`` per stage: ``input_ids [n, seq_len] int32``,
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import grain
@@ -22,24 +23,64 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 
 def load_conversations(path: str | Path) -> list[list[dict]]:
-    """Reads ShareGPT JSON / JSONL (``conversations: [{from, value}]`` or ``messages: [{role, content}]``)."""
+    """Reads ShareGPT JSON (a list) / JSONL (one record a line): each record is
+    ``{"conversations": [{from, value}]}``, ``{"messages": [{role, content}]}`` or a bare
+    list of turns.  Errors name the file and the bad record (and its line in JSONL)."""
     path = Path(path)
+    if not path.is_file():
+        raise (IsADirectoryError if path.is_dir() else FileNotFoundError)(
+            f"{path}: {'is a directory, expected a JSON/JSONL file' if path.is_dir() else 'no such conversations file'}")
     try:
-        text = path.read_text()
-        rows = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read conversations ({e})") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of conversations, got a {type(rows).__name__}")
+        where = [f"record {i}" for i in range(len(rows))]
+    else:
+        rows, where = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    hint = " (a JSON list? name the file .json)" if text.lstrip().startswith("[") else ""
+                    raise ValueError(f"{path}: line {n}: invalid JSON ({e.msg} at column {e.colno}){hint}") from None
+                where.append(f"record {len(rows) - 1} (line {n})")
+    if not rows:
+        raise ValueError(f"{path}: no conversations")
     convs = []
-    for i, row in enumerate(rows):
-        turns = row.get("conversations") or row.get("messages") if isinstance(row, dict) else row
+    for row, at in zip(rows, where):
+        turns = row
+        if isinstance(row, dict):
+            key = next((k for k in ("conversations", "messages") if k in row), None)
+            if key is None:
+                raise ValueError(f"{path}: {at}: no 'conversations' or 'messages' key (keys: {sorted(row)})")
+            turns = row[key]
         if not isinstance(turns, list):
-            raise ValueError(f"{path}: record {i} has no 'conversations' or 'messages' list")
+            raise ValueError(f"{path}: {at}: expected a list of turns, got a {type(turns).__name__}")
+        if not turns:
+            raise ValueError(f"{path}: {at}: empty conversation")
         msgs = []
-        for t in turns:
-            role = ROLES.get(t.get("from", t.get("role")))
+        for j, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise ValueError(f"{path}: {at}, turn {j}: expected an object with from/value or role/content, "
+                                 f"got {t!r:.60}")
+            role_key = "from" if "from" in t else "role"
+            content_key = "value" if "value" in t else "content"
+            role = ROLES.get(t.get(role_key)) if isinstance(t.get(role_key), str) else None
             if role is None:
-                raise ValueError(f"{path}: record {i}: unknown role {t.get('from', t.get('role'))!r}")
-            msgs.append({"role": role, "content": t.get("value", t.get("content", ""))})
+                raise ValueError(f"{path}: {at}, turn {j}: unknown role {t.get(role_key)!r} "
+                                 f"(expected one of {', '.join(ROLES)})")
+            if not isinstance(t.get(content_key), str):
+                raise ValueError(f"{path}: {at}, turn {j}: {content_key!r} must be a string, "
+                                 f"got {t.get(content_key)!r:.60}")
+            msgs.append({"role": role, "content": t[content_key]})
         convs.append(msgs)
     return convs
 
@@ -74,7 +115,13 @@ def to_records(pairs, seq_len: int) -> dict[str, np.ndarray]:
 
 
 def prepare(conversations, tokenizer, seq_len: int, *, last_turn_only: bool = False) -> dict[str, np.ndarray]:
-    pairs = [tokenize(tokenizer, c, last_turn_only=last_turn_only) for c in tqdm(conversations, desc="prepare")]
+    """Tokenizes every conversation (:func:`tokenize`) into padded records (:func:`to_records`)."""
+    pairs = []
+    for i, c in enumerate(tqdm(conversations, desc="prepare")):
+        try:
+            pairs.append(tokenize(tokenizer, c, last_turn_only=last_turn_only))
+        except ValueError as e:
+            raise ValueError(f"conversation {i}: {e}") from None
     return to_records(pairs, seq_len)
 
 
@@ -139,8 +186,19 @@ def load_records(path: str | Path) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing (run the earlier training step first)")
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
+    try:
+        with np.load(path) as f:
+            records = {k: f[k] for k in f.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a records file ({e})") from None
+    for key in ("input_ids", "loss_mask"):
+        if key not in records:
+            raise ValueError(f"{path}: no {key!r} array (has {sorted(records)})")
+    ids, mask = records["input_ids"], records["loss_mask"]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or mask.shape != ids.shape:
+        raise ValueError(f"{path}: expected integer 'input_ids' [n, seq_len] and 'loss_mask' of the same shape, "
+                         f"got {ids.dtype} {ids.shape} and {mask.dtype} {mask.shape}")
+    return records
 
 
 def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,

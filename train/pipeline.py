@@ -1,14 +1,25 @@
 """``eagle3-jax train STEP --config FILE [key=value ...]``: the training pipeline
 prepare → regenerate → vocab → fit → export, each step reading the previous step's
 files from ``work_dir`` (so any step can be re-run or resumed on its own).
+
+The config (YAML over ``DEFAULTS``, then the overrides) is typed by its schema: every
+value is read as its default's type (``FitConfig``'s annotations for ``fit``), so
+``fit.lr=1e-4`` is a float; unknown keys are refused with the closest known ones.
+:func:`run` checks the ranges, the inputs each requested step needs and that the outputs
+can be written before the first step starts.  A fresh ``fit`` never writes over an earlier
+run: its outputs are moved to ``work_dir/previous_runs/`` first (see :func:`set_aside_run`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
+import math
 import shutil
+import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -28,61 +39,314 @@ DEFAULTS = {
     "distributed": False,      # jax.distributed.initialize() (multi-host pods)
     "regenerate": {"enabled": True, "max_new_tokens": 512, "temperature": 0.0, "batch_size": 8},
     "drafter": {"init": None, "seed": 0},
-    "fit": {},                 # train.trainer.FitConfig fields
+    "fit": {},                 # train.trainer.FitConfig fields (its defaults)
     "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
     "export_dir": None,        # default: work_dir/export
 }
 
+# allowed ranges of the keys outside ``fit`` (FitConfig checks its own: train.trainer.FIT_LIMITS)
+LIMITS = {"seq_len": (">=", 2), "draft_vocab_size": (">=", 1), "dtype": ("in", ("float32", "bfloat16", "float16")),
+          "regenerate.max_new_tokens": (">=", 1), "regenerate.temperature": (">=", 0), "regenerate.batch_size": (">=", 1),
+          "drafter.seed": (">=", 0), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
+
+# what each step reads from / writes to work_dir
+INPUTS = {"prepare": (), "regenerate": ("conversations.json",), "vocab": ("regenerated.npz",),
+          "fit": ("vocab.npz", "regenerated.npz"), "export": ("best",)}
+OUTPUTS = {"prepare": ("prepared.npz", "conversations.json"), "regenerate": ("regenerated.npz",), "vocab": ("vocab.npz",),
+           "fit": ("best",), "export": ()}
+RUN_OUTPUTS = ("ckpt", "best", "best.json", "metrics.jsonl")  # one fit's outputs (with the default export/)
+
+_TRUE, _FALSE, _NULL = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), ("", "null", "none", "~")
+
+
+def schema() -> dict[str, type | None]:
+    """Every config key, dotted (``fit.lr``), → its type: ``int``, ``float``, ``bool``, ``str``,
+    ``tuple`` (of ints) or ``None`` (an optional path)."""
+    from train.trainer import FitConfig
+
+    hints = typing.get_type_hints(FitConfig)
+    out = {}
+    for key, value in DEFAULTS.items():
+        if key == "fit":
+            out.update({f"fit.{f.name}": typing.get_origin(hints[f.name]) or hints[f.name]
+                        for f in dataclasses.fields(FitConfig)})
+        elif isinstance(value, dict):
+            out.update({f"{key}.{k}": None if v is None else type(v) for k, v in value.items()})
+        else:
+            out[key] = None if value is None else type(value)
+    return out
+
 
 def load_config(path: str | Path, overrides=()) -> dict:
-    """YAML config merged over the defaults, then ``a.b=value`` overrides (YAML values)."""
+    """YAML config merged over the defaults, then ``a.b=value`` overrides; every value read
+    as its key's type (:func:`schema`) and range-checked.  Raises ``ValueError`` naming the
+    key (unknown keys with the closest known ones) and where it came from."""
+    from train.trainer import FitConfig, out_of_range
+
     path = Path(path)
-    try:
-        user = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: cannot read config ({e})") from None
-    cfg = _merge(copy.deepcopy(DEFAULTS), user, str(path))
+    kinds = schema()
+    flat = _flatten({**copy.deepcopy(DEFAULTS), "fit": dataclasses.asdict(FitConfig())})
+    origin = dict.fromkeys(flat, "default")
+    for key, value in _flatten(_read_yaml(path), str(path), kinds).items():
+        flat[key], origin[key] = _coerce(key, value, kinds[key], str(path)), str(path)
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r}: expected key=value")
-        node, *rest = key.split(".")
-        target = cfg
-        for part in [node, *rest][:-1]:
-            if not isinstance(target.get(part), dict):
-                raise ValueError(f"override {item!r}: {part!r} is not a section")
-            target = target[part]
-        target[key.split(".")[-1]] = yaml.safe_load(value)
-    for key in ("target", "data", "work_dir"):
-        if not cfg.get(key):
-            raise ValueError(f"{path}: '{key}' is required")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected key=value (e.g. fit.lr=1e-4)")
+        _check_known(key, kinds, f"override {item!r}")
+        flat[key], origin[key] = _coerce(key, value, kinds[key], "command-line override"), "command-line override"
+    for key, value in flat.items():
+        if key.startswith("fit."):
+            continue  # FitConfig below
+        problem = out_of_range(value, LIMITS.get(key)) or (
+            "must be -1 (all devices) or >= 1" if key == "mesh.data" and value == 0 else None)
+        if problem:
+            raise ValueError(f"{key}={value!r} ({origin[key]}): {problem}")
+    cfg = {}
+    for key, value in flat.items():
+        section, _, sub = key.partition(".")
+        if sub:
+            cfg.setdefault(section, {})[sub] = value
+        else:
+            cfg[key] = value
+    try:
+        FitConfig(**cfg["fit"])
+    except (TypeError, ValueError) as e:
+        item, _, problem = str(e).partition(": ")
+        raise ValueError(f"{item} ({origin.get(item.partition('=')[0], 'config')}): {problem}") from None
     return cfg
 
 
-def _merge(base: dict, user: dict, source: str) -> dict:
-    for k, v in user.items():
-        if k not in base:
-            raise ValueError(f"{source}: unknown key {k!r} (known: {sorted(base)})")
-        base[k] = _merge(base[k], v, f"{source}:{k}") if isinstance(base[k], dict) and base[k] and isinstance(v, dict) else v
-    return base
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise (IsADirectoryError if path.is_dir() else FileNotFoundError)(
+            f"--config {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    try:
+        user = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"--config {path}: invalid YAML{where} ({getattr(e, 'problem', None) or e})") from None
+    if user is None:
+        return {}
+    if not isinstance(user, dict):
+        raise ValueError(f"--config {path}: expected a mapping of config keys, got a {type(user).__name__}")
+    return user
+
+
+def _flatten(tree: dict, source: str | None = None, kinds: dict | None = None) -> dict:
+    """``{"fit": {"lr": x}}`` → ``{"fit.lr": x}``; with ``kinds``, unknown keys are refused."""
+    out = {}
+    for k, v in tree.items():
+        k = str(k)
+        if kinds is not None and k in DEFAULTS and isinstance(DEFAULTS[k], dict):
+            if v is None:
+                continue
+            if not isinstance(v, dict):
+                raise ValueError(f"{source}: {k!r} must be a mapping of its keys, got {v!r}")
+            for sub, value in v.items():
+                _check_known(f"{k}.{sub}", kinds, source)
+                out[f"{k}.{sub}"] = value
+        elif kinds is None and isinstance(v, dict):
+            out.update({f"{k}.{sub}": value for sub, value in v.items()})
+        else:
+            if kinds is not None:
+                _check_known(k, kinds, source)
+            out[k] = v
+    return out
+
+
+def _check_known(key: str, kinds: dict, where: str):
+    if key in kinds:
+        return
+    sections = sorted({k.partition(".")[0] for k in kinds if "." in k})
+    section = key.partition(".")[0]
+    members = ", ".join(k for k in kinds if k.startswith(section + "."))
+    if key in sections:
+        raise ValueError(f"{where}: {key!r} is a section; set its keys ({members})")
+    close = difflib.get_close_matches(key, [*kinds, *sections] if "." not in key else kinds, n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {members}" if section in sections
+            else f"known: {', '.join(sorted({k.partition('.')[0] for k in kinds}))}")
+    raise ValueError(f"{where}: unknown key {key!r} ({hint})")
+
+
+def _coerce(key: str, value, kind, origin: str):
+    """``value`` (a YAML value or an override's text) as ``kind`` (see :func:`schema`)."""
+    from train.trainer import KIND_NAMES
+
+    text = value.strip() if isinstance(value, str) else None
+    if kind is tuple:  # of ints: a YAML list, "[8, 16]" or "8,16"
+        try:
+            items = value if text is None else yaml.safe_load(text) if text.startswith("[") else \
+                [v for v in text.split(",") if v.strip()]
+        except yaml.YAMLError:
+            items = None
+        if isinstance(items, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, int, origin) for i, v in enumerate(items))
+    try:
+        if kind is None:  # an optional path
+            if value is None or (text is not None and text.lower() in _NULL):
+                return None
+            if text:
+                return value
+        elif kind is bool:
+            if isinstance(value, bool):
+                return value
+            if text and text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+        elif kind is int:
+            if type(value) is int or text:
+                return int(value)
+        elif kind is float:
+            if type(value) in (int, float) or text:
+                number = float(value)
+                if math.isfinite(number):
+                    return number
+        elif kind is str and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise ValueError(f"{key}={value!r} ({origin}): expected {'a path or null' if kind is None else KIND_NAMES[kind]}")
 
 
 def run(step: str, cfg: dict, *, resume: bool = True):
+    """Runs ``step`` (or ``"all"``) after checking the whole config for it (:func:`check`).
+    ``resume=False`` (``--no-resume``) starts ``fit`` over; an earlier run is moved aside
+    first (:func:`set_aside_run`), never overwritten."""
     if step not in STEPS + ("all",):
         raise ValueError(f"unknown step {step!r}; expected one of {STEPS + ('all',)}")
+    steps = STEPS if step == "all" else (step,)
+    if not resume and "fit" not in steps:
+        raise ValueError(f"--no-resume applies to fit and all, not to {step}")
+    check(cfg, steps)
+    work = Path(cfg["work_dir"])
     if cfg["distributed"]:
         import jax
 
         jax.distributed.initialize()
-    for s in STEPS if step == "all" else (step,):
+    if "fit" in steps:
+        _before_fit(cfg, work, resume=resume)
+    work.mkdir(parents=True, exist_ok=True)
+    for s in steps:
         print(f"== {s}")
-        globals()[f"_{s}"](cfg, Path(cfg["work_dir"]), resume=resume)
+        globals()[f"_{s}"](cfg, work, resume=resume)
+
+
+def check(cfg: dict, steps) -> None:
+    """Checks, before any step runs, what ``steps`` need: the required keys, the target
+    (``config.json``; ``draft_vocab_size`` and ``seq_len`` against it), the tokenizer, the
+    data, the files earlier steps left in ``work_dir`` (unless a step of this run makes
+    them), ``drafter.init``, and that ``work_dir`` / ``export_dir`` can be written."""
+    from eagle3_jax.cli import check_output_path
+
+    def need(key: str, why: str) -> Path:
+        if not cfg.get(key):
+            raise ValueError(f"config: {key!r} is required for {why} (set it in the YAML or as {key}=PATH)")
+        return Path(cfg[key])
+
+    work = need("work_dir", "every step")
+    check_output_path(work, "work_dir", directory=True)
+    regenerates = "regenerate" in steps and cfg["regenerate"]["enabled"]
+    if "prepare" in steps:
+        data = need("data", "prepare")
+        if not data.is_file():
+            raise (IsADirectoryError if data.is_dir() else FileNotFoundError)(
+                f"data {data}: {'is a directory, expected a JSON/JSONL file' if data.is_dir() else 'no such file'}")
+    if "prepare" in steps or regenerates:
+        tok = Path(cfg["tokenizer"] or need("target", "the tokenizer (or set tokenizer=PATH)"))
+        if not (tok / "tokenizer.json").is_file() and not (tok / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(f"{'tokenizer' if cfg['tokenizer'] else 'target'} {tok}: no tokenizer.json or "
+                                    "tokenizer_config.json (set tokenizer=PATH)")
+    if set(steps) - {"prepare"}:
+        from eagle3_jax.config import read_config_json
+
+        target = need("target", "/".join(s for s in steps if s != "prepare"))
+        if not target.is_dir():
+            raise (NotADirectoryError if target.exists() else FileNotFoundError)(
+                f"target {target}: {'not a directory' if target.exists() else 'no such directory'}")
+        tcfg = read_config_json(target)
+        if not isinstance(tcfg, dict):
+            raise ValueError(f"target {target}: config.json is not a JSON object")
+        vocab, max_pos = tcfg.get("vocab_size"), tcfg.get("max_position_embeddings")
+        if ({"vocab", "fit"} & set(steps) and isinstance(vocab, int) and cfg["draft_vocab_size"] > vocab):
+            raise ValueError(f"draft_vocab_size={cfg['draft_vocab_size']} exceeds the target's vocab_size ({vocab})")
+        if isinstance(max_pos, int) and cfg["seq_len"] > max_pos:
+            raise ValueError(f"seq_len={cfg['seq_len']} exceeds the target's max_position_embeddings ({max_pos})")
+    made = set()
+    for s in steps:
+        inputs = INPUTS[s] if s != "regenerate" or cfg["regenerate"]["enabled"] else ("prepared.npz",)
+        for name in inputs:
+            if name not in made and not (work / name).exists():
+                producer = next(p for p in STEPS if name in OUTPUTS[p])
+                raise FileNotFoundError(f"{work / name}: missing; run `eagle3-jax train {producer}` first "
+                                        f"(or `train all`)")
+        made |= set(OUTPUTS[s])
+    if "fit" in steps and cfg["drafter"]["init"] and not Path(cfg["drafter"]["init"]).is_dir():
+        raise FileNotFoundError(f"drafter.init {cfg['drafter']['init']}: no such directory")
+    if "export" in steps:
+        check_output_path(cfg["export_dir"] or work / "export", "export_dir", directory=True)
+
+
+def _before_fit(cfg: dict, work: Path, *, resume: bool):
+    """The mesh must fit the devices; then the first host sets an earlier run aside."""
+    import jax
+
+    from eagle3_jax.sharding import make_mesh
+
+    try:
+        make_mesh(**cfg["mesh"])
+    except ValueError as e:
+        raise ValueError(f"mesh {cfg['mesh']}: {e}") from None
+    if jax.process_index() == 0:
+        set_aside_run(work, resume=resume, export_dir=cfg["export_dir"])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("eagle3_jax set_aside_run")
+
+
+def set_aside_run(work: Path, *, resume: bool = True, export_dir=None) -> Path | None:
+    """Before a fresh ``fit`` (``resume=False``, or no checkpoint to resume) moves an
+    earlier run's outputs in ``work`` (``ckpt/``, ``best/``, ``best.json``,
+    ``metrics.jsonl`` and the default ``export/``) to ``work/previous_runs/run-<date-time>/``
+    (``vocab.npz`` copied beside them) and says so: nothing of it is overwritten, and a later
+    ``fit`` resumes the new run.  Returns where they went, or None when there was nothing."""
+    ckpt = work / "ckpt"
+    if resume and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+        return None  # fit resumes this run
+    names = [n for n in RUN_OUTPUTS if (work / n).exists()]
+    if export_dir is None and (work / "export").exists():
+        names.append("export")
+    if not names:
+        return None
+    base = work / "previous_runs" / time.strftime("run-%Y%m%d-%H%M%S")
+    dest, n = base, 1
+    while dest.exists():
+        n += 1
+        dest = base.with_name(f"{base.name}-{n}")
+    dest.mkdir(parents=True)
+    for name in names:
+        (work / name).rename(dest / name)
+    if (work / "vocab.npz").exists():
+        shutil.copy2(work / "vocab.npz", dest / "vocab.npz")
+    print(f"fit: starting a new run; the previous run's {', '.join(names)} moved to {dest}")
+    return dest
 
 
 def _tokenizer(cfg):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg["tokenizer"] or cfg["target"], local_files_only=True)
+    path = cfg["tokenizer"] or cfg["target"]
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {path}: cannot load it ({str(e).strip().splitlines()[0]})") from None
+    if not tok.chat_template:
+        raise ValueError(f"tokenizer {path}: has no chat template (prepare and regenerate apply it)")
+    return tok
 
 
 def _target(cfg):
@@ -155,10 +419,6 @@ def _fit(cfg, work: Path, *, resume: bool = True):
         drafter = eagle3_jax.load_drafter(cfg["drafter"]["init"], target=target)
     else:
         drafter = new_drafter(target, vocab["d2t"], draft_vocab_size=cfg["draft_vocab_size"], seed=cfg["drafter"]["seed"])
-    known = {f.name for f in dataclasses.fields(FitConfig)}
-    unknown = set(cfg["fit"]) - known
-    if unknown:
-        raise ValueError(f"fit: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     trainer = Trainer(target, drafter, data.load_records(work / "regenerated.npz"), FitConfig(**cfg["fit"]),
                       work_dir=work, mesh=make_mesh(**cfg["mesh"]))
     best = trainer.fit(resume=resume)

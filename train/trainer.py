@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+import typing
 from pathlib import Path
 
 import jax
@@ -43,6 +45,53 @@ class FitConfig:
     log_every: int = 10
     offline: bool = False  # run the target once over the data, cache its outputs on disk, train from the cache
     buckets: tuple[int, ...] = ()  # length buckets (batches cut to their bucket's length); () = one of seq_len
+
+    def __post_init__(self):
+        """Type- and range-checks every field (errors name it ``fit.<field>``); ints given
+        for floats become floats, a list of buckets a tuple."""
+        hints = typing.get_type_hints(FitConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = typing.get_origin(hints[f.name]) or hints[f.name]
+            if kind is float and type(value) is int:
+                value = float(value)
+            elif kind is tuple and isinstance(value, list):
+                value = tuple(value)
+            if not _is_kind(value, kind):
+                raise TypeError(f"fit.{f.name}={value!r}: expected {KIND_NAMES[kind]}")
+            problem = out_of_range(value, FIT_LIMITS.get(f.name))
+            if problem:
+                raise ValueError(f"fit.{f.name}={value!r}: {problem}")
+            object.__setattr__(self, f.name, value)
+
+
+KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+              tuple: "a list of integers"}
+
+# each field's allowed range: (">=" | ">", bound) or ("in", choices); a tuple's bound applies to each item
+FIT_LIMITS = {"steps": (">=", 1), "batch_size": (">=", 1), "lr": (">", 0), "warmup_steps": (">=", 0),
+              "end_lr_ratio": (">=", 0), "ttt_length": (">=", 1), "step_weight": (">", 0), "clip_norm": (">", 0),
+              "compute_dtype": ("in", ("float32", "bfloat16", "float16")), "seed": (">=", 0), "save_every": (">=", 1),
+              "keep": (">=", 1), "log_every": (">=", 1), "buckets": (">=", 1)}
+
+
+def _is_kind(value, kind) -> bool:
+    if kind is tuple:
+        return isinstance(value, tuple) and all(_is_kind(v, int) for v in value)
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, kind) and (kind is not float or math.isfinite(value))
+
+
+def out_of_range(value, limit) -> str | None:
+    """Why ``value`` breaks ``limit`` (see ``FIT_LIMITS``), or None if it does not."""
+    if limit is None:
+        return None
+    op, bound = limit
+    if op == "in":
+        return None if value in bound else f"expected one of {', '.join(bound)}"
+    bad = [v for v in (value if isinstance(value, tuple) else (value,)) if (v < bound if op == ">=" else v <= bound)]
+    return f"must be {op} {bound}" + (" (each item)" if isinstance(value, tuple) else "") if bad else None
 
 
 def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
@@ -190,6 +239,18 @@ class Trainer:
         self.best = got.data["best"]
         return True
 
+    def _check_fresh(self):
+        """A new run may not write over an earlier one: its checkpoints would be skipped (orbax
+        keeps the later steps) and its ``best/`` overwritten."""
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            raise FileExistsError(f"{self.work_dir / 'ckpt'}: holds checkpoints of an earlier run (up to step {latest}); "
+                                  "pass resume=True to continue it, or move it aside first "
+                                  "(`eagle3-jax train fit --no-resume` does)")
+        if (self.work_dir / "best").exists():
+            raise FileExistsError(f"{self.work_dir / 'best'}: holds the best drafter of an earlier run; move it aside "
+                                  "before starting a new run (`eagle3-jax train fit --no-resume` does)")
+
     def drafter(self):
         """The current drafter as a module (for export or generation)."""
         return nnx.merge(self.dgraph, self.params, self.frozen)
@@ -198,10 +259,12 @@ class Trainer:
     def fit(self, steps: int | None = None, *, resume: bool = False, log_path: str | Path | None = None):
         """Trains up to ``steps`` total steps (default ``cfg.steps``), checkpointing every
         ``save_every`` and at the end; exports the best drafter (by simulated acceptance
-        length over the last interval) to ``work_dir/best``."""
+        length over the last interval) to ``work_dir/best``.  ``resume``: continue from the
+        latest checkpoint in ``work_dir``; a new run (nothing restored, no step taken) refuses
+        a ``work_dir`` holding an earlier run's checkpoints or ``best/`` (``FileExistsError``)."""
         steps = self.cfg.steps if steps is None else steps
-        if resume:
-            self.restore()
+        if not (resume and self.restore()) and self.step == 0:  # a new run (not this trainer's own continuing)
+            self._check_fresh()
         log = open(log_path or self.work_dir / "metrics.jsonl", "a")
         window, t0, tokens = [], time.perf_counter(), 0
         bar = tqdm(total=steps, initial=self.step, desc="fit")

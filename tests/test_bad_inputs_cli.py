@@ -1,0 +1,215 @@
+"""The command line on malformed input: one line on stderr naming the argument or file,
+exit status 2, never a traceback (``--debug`` shows it); output paths checked before the
+work, and a finished benchmark is never thrown away."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagle3_jax import cli
+from eagle3_jax.cli import main
+from helpers import FIXTURES
+
+ROOT = Path(__file__).parent.parent
+TARGET = FIXTURES / "target_tiny"
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def _one_line_error(capsys, argv, *named, code=2):
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for part in named:
+        assert part in err, err
+    return err
+
+
+def _files(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "bad_json").mkdir()
+    (tmp_path / "bad_json" / "config.json").write_text("{oops")
+    (tmp_path / "list_json").mkdir()
+    (tmp_path / "list_json" / "config.json").write_text("[1, 2]")
+    return {"tmp": tmp_path, "target": TARGET, "tiny": TINY}
+
+
+# each: argv (formatted with tmp/target/tiny) and what the one-line message must name
+CASES = [
+    # generate: sampling and decoding arguments
+    (["generate", "--prompt-ids", "1", "--top-p", "0"], ["--top-p", "> 0"]),
+    (["generate", "--prompt-ids", "1", "--top-p", "1.5"], ["--top-p", "<= 1"]),
+    (["generate", "--prompt-ids", "1", "--top-p", "nan"], ["--top-p", "finite"]),
+    (["generate", "--prompt-ids", "1", "--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["generate", "--prompt-ids", "1", "--temperature", "nan"], ["--temperature", "finite"]),
+    (["generate", "--prompt-ids", "1", "--temperature", "inf"], ["--temperature", "finite"]),
+    (["generate", "--prompt-ids", "1", "--temperature", "hot"], ["--temperature", "'hot'"]),
+    (["generate", "--prompt-ids", "1", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+    (["generate", "--prompt-ids", "1", "--max-new-tokens", "1.5"], ["--max-new-tokens", "integer"]),
+    (["generate", "--prompt-ids", "1", "--top-k", "-1"], ["--top-k", ">= 0"]),
+    (["generate", "--prompt-ids", "1", "--seed", "-1"], ["--seed", ">= 0"]),
+    (["generate", "--prompt-ids", "1", "--seed", str(2 ** 32)], ["--seed", "< 4294967296"]),
+    (["generate", "--prompt-ids", "1", "--tree", "chainx"], ["--tree", "chainN"]),
+    (["generate", "--prompt-ids", "1", "--tree", "60,7"], ["--tree", "TOTAL,DEPTH,TOPK"]),
+    (["generate", "--prompt-ids", "1", "--tree", "0,0,0"], ["--tree", "total_tokens >= 2"]),
+    (["generate", "--prompt-ids", "1", "--tree", "500,2,3"], ["--tree", "exceeds"]),
+    (["generate", "--prompt-ids", "1,a"], ["--prompt-ids", "'1,a'"]),
+    (["generate", "--prompt-ids", "-3"], ["--prompt-ids", "non-negative"]),
+    (["generate", "--prompt-ids", ""], ["--prompt-ids"]),
+    (["generate", "--prompt-ids", "1", "--dtype", "fp8"], ["--dtype", "'fp8'"]),
+    (["generate", "--prompt-ids", "1", "--attention", "flash"], ["--attention", "'flash'"]),
+    (["generate", "--prompt-ids", "1", "--bogus"], ["--bogus"]),
+    # generate: prompts and checkpoints
+    (["generate"], ["give a prompt"]),
+    (["generate", "hello", "--prompt-ids", "1,2"], ["PROMPT", "--prompt-ids"]),
+    (["generate", "hello", "--prompt", "again"], ["PROMPT", "--prompt"]),
+    (["generate", "--prompt-ids", "1", "--drafter", "{tmp}"], ["--drafter", "--target"]),
+    (["generate", "--prompt-ids", "1", "--target", "{tmp}/nowhere"], ["nowhere", "config.json"]),
+    (["generate", "--prompt-ids", "1,5000", "--target", "{target}"], ["--prompt-ids", "5000", "0..1023"]),
+    (["generate", "hello", "--target", "{target}"], ["--target", "no tokenizer", "--prompt-ids"]),
+    # bench: counts, outputs (checked before anything loads), prompts
+    (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
+    (["bench", "--repeats", "0"], ["--repeats"]),
+    (["bench", "--num-prompts", "0"], ["--num-prompts"]),
+    (["bench", "--temperature", "0", "-0.5"], ["--temperature", ">= 0"]),
+    (["bench", "--tree", "60,7,10", "chain0"], ["--tree", "'chain0'"]),
+    (["bench", "--json", "{tmp}"], ["--json", "is a directory"]),
+    (["bench", "--json", "{tmp}/afile/out.json"], ["--json", "afile", "not a directory"]),
+    (["bench", "--json", "{tmp}/r.json", "--figure", "{tmp}/afile/f.png"], ["--figure", "afile"]),
+    (["bench", "--json", "{tmp}/r.json", "--figure", "{tmp}/f.xyz"], ["--figure", "'.xyz'", ".png"]),
+    (["bench", "--json", "{tmp}/same.png", "--figure", "{tmp}/same.png"], ["--json", "--figure", "same.png"]),
+    (["bench", "--json", "{tmp}/r.json", "--figure", "{tmp}/f.png", "--target", "{target}"], ["--drafter"]),
+    (["bench", "--json", "{tmp}/r.json", "--figure", "{tmp}/f.png", "--prompts", "{tmp}/p.json"],
+     ["--prompts", "p.json"]),
+    # info
+    (["info", "{tmp}/nowhere"], ["nowhere", "config.json"]),
+    (["info", "{tmp}/bad_json"], ["bad_json/config.json", "not valid JSON"]),
+    (["info", "{tmp}/list_json"], ["list_json/config.json", "JSON object"]),
+    (["info", "{tmp}/afile"], ["afile"]),
+    # train
+    (["train", "fit", "--config", "{tmp}/nope.yaml"], ["--config", "nope.yaml"]),
+    (["train", "fit", "--config", "{tiny}", "fit.lrr=1e-4"], ["'fit.lrr'", "'fit.lr'"]),
+    (["train", "fit", "--config", "{tiny}", "fit.lr=fast"], ["fit.lr", "'fast'"]),
+    (["train", "prepare", "--config", "{tiny}", "--no-resume"], ["--no-resume"]),
+    (["train", "fit"], ["--config"]),
+    (["train", "fitt", "--config", "{tiny}"], ["'fitt'"]),
+    ([], ["command"]),
+]
+
+
+@pytest.mark.parametrize("argv, named", CASES, ids=[" ".join(a) or "none" for a, _ in CASES])
+def test_bad_input_is_one_line(tmp_path, capsys, argv, named):
+    paths = _files(tmp_path)
+    _one_line_error(capsys, [a.format(**paths) for a in argv], *[n.format(**paths) for n in named])
+
+
+@pytest.mark.parametrize("exc, named, code", [
+    (PermissionError(13, "Permission denied", "/data/weights.bin"), ["/data/weights.bin: Permission denied"], 2),
+    (IsADirectoryError(21, "Is a directory", "/data/x"), ["/data/x"], 2),
+    (ZeroDivisionError("division by zero"), ["ZeroDivisionError"], 2),
+    (TypeError("hidden_size must be an int"), ["TypeError", "hidden_size"], 2),
+    (pickle.UnpicklingError("w.bin: refusing to load global os.system"), ["w.bin", "os.system"], 2),
+    (KeyError("config.json: key 'vocab_size' is missing"), ["config.json: key 'vocab_size'"], 2),
+    (ValueError("first line\n  second line"), ["first line second line"], 2),
+    (json.JSONDecodeError("Expecting value", "x", 0), ["Expecting value"], 2),
+    (AttributeError("'list' object has no attribute 'get'"), ["internal error", "--debug"], 1),
+])
+def test_top_level_errors_are_one_line(monkeypatch, capsys, exc, named, code):
+    def boom(path):
+        raise exc
+
+    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    _one_line_error(capsys, ["info", "somewhere"], *named, code=code)
+
+
+def test_safetensors_error_is_one_line(tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    def boom(path):
+        raise SafetensorError("model.safetensors: header too large")
+
+    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    _one_line_error(capsys, ["info", "x"], "model.safetensors")
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    def boom(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    assert main(["info", "x"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        main(["info", str(tmp_path / "nowhere"), "--debug"])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "eagle3_jax.cli", "info", str(tmp_path / "nowhere"), "--debug"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" in res.stderr and "FileNotFoundError" in res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_bench_refuses_an_unwritable_directory(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    _one_line_error(capsys, ["bench", "--json", locked / "r.json"], "--json", "not writable")
+
+
+# ------------------------------------------------------------------ a finished benchmark is kept
+REPORT = {"settings": {"temperature": 0.0}, "vanilla": {},
+          "eagle3": [{"tree": {"name": "chain3"}, "speedup": 1.5, "tau": 2.5, "acceptance_rate": [0.8, 0.6, 0.4]}]}
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """bench with its models and measurement stubbed out (the output handling is real)."""
+    from eagle3_jax import bench
+
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, object(), None, False))
+    calls = []
+
+    def run_bench(*args, **kw):
+        calls.append(kw)
+        return REPORT
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    return calls
+
+
+def test_bench_creates_missing_output_directories(tmp_path, capsys, fake_bench):
+    out, fig = tmp_path / "a" / "b" / "r.json", tmp_path / "c" / "f.png"
+    assert main(["bench", "--target", "t", "--drafter", "d", "--num-prompts", "1", "--json", str(out),
+                 "--figure", str(fig)]) == 0
+    assert json.loads(out.read_text())["reports"] == [REPORT] and fig.stat().st_size > 0
+    assert not list(out.parent.glob(".*tmp"))
+
+
+def test_bench_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch, fake_bench):
+    """The directory is fine when checked but gone (a file in its place) once the benchmark
+    is done: the report goes to stdout and the one-line error says so."""
+    from eagle3_jax import bench
+
+    out = tmp_path / "out" / "r.json"
+
+    def run_bench(*args, **kw):
+        (tmp_path / "out").write_text("in the way")
+        return REPORT
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    rc = main(["bench", "--target", "t", "--drafter", "d", "--num-prompts", "1", "--json", str(out),
+               "--figure", str(tmp_path / "f.png")])
+    captured = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "--json" in captured.err and "report is on stdout" in captured.err
+    assert json.loads(captured.out)["reports"] == [REPORT]

@@ -1,0 +1,44 @@
+"""Fuzzing the checkpoint readers (bounded for CI; ``scripts/fuzz_checkpoints.py`` runs more).
+
+Mutated torch pickles (fields given any value, bytes flipped, inserted, deleted; zip headers
+flipped) and mutated configs must each either load correctly (the values an independent
+oracle computes) or be refused with a ``ValueError`` naming the file (and the tensor or key):
+never a crash, another exception type, or bytes from outside a storage.
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from checkpoint_forge import check_config, check_fields, check_pickle_bytes, check_zip_bytes, strategies
+
+FIELDS, PICKLES, FLIPS, CONFIGS = strategies()
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+
+
+@pytest.fixture(scope="module")
+def file(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz") / "pytorch_model.bin"
+
+
+@FUZZ
+@given(edits=FIELDS)
+def test_mutated_tensor_fields(file, edits):
+    check_fields(file, edits)
+
+
+@FUZZ
+@given(pkl=PICKLES)
+def test_mutated_pickle_bytes(file, pkl):
+    check_pickle_bytes(file, pkl)
+
+
+@FUZZ
+@given(flips=FLIPS)
+def test_mutated_zip_bytes(file, flips):
+    check_zip_bytes(file, flips)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(case=CONFIGS)
+def test_mutated_configs(case):
+    check_config(*case)
