@@ -7,6 +7,7 @@ same stop logic; it is the baseline of every speedup figure.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Sequence
@@ -105,39 +106,46 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
                   sampling=sampling)
 
     def vanilla_round(st: _State) -> _State:
-        logits, _, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
-        key, sub = jax.random.split(st.key)
-        nxt = sample(sub, logits[:, 0], sampling)
-        active = ~st.done
-        st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
-                                 root=jnp.where(active, nxt, st.root), key=key,
-                                 accept=st.accept.at[:, st.step].set(jnp.where(active, 0, -1)))
-        return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new)
+        with jax.named_scope("step"):
+            logits, _, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
+            key, sub = jax.random.split(st.key)
+            nxt = sample(sub, logits[:, 0], sampling)
+        with jax.named_scope("emit"):
+            active = ~st.done
+            st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
+                                     root=jnp.where(active, nxt, st.root), key=key,
+                                     accept=st.accept.at[:, st.step].set(jnp.where(active, 0, -1)))
+            return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new)
 
     def spec_round(st: _State) -> _State:
-        t = expand(drafter, st.dcache, st.last_hidden, st.root, tree)
-        logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
-                                       region_mask_BxTxR=t.mask)
-        key, sub = jax.random.split(st.key)
-        path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k)
+        with jax.named_scope("draft"):
+            t = expand(drafter, st.dcache, st.last_hidden, st.root, tree)
+        with jax.named_scope("verify"):
+            logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
+                                           region_mask_BxTxR=t.mask)
+            key, sub = jax.random.split(st.key)
+            path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k)
         active = ~st.done
         count = jnp.where(active, accepted + 1, 0)
         node = jnp.maximum(path, 0)
-        tcache = kv_cache.commit(tcache, node, count)
-        # token following each committed node: the next accepted draft token, then the bonus
-        nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
-        new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None],
-                        jnp.take_along_axis(t.tokens, nxt_node, 1), bonus[:, None])
-        # the drafter consumes the committed nodes' target features (from the tree pass)
-        dfeats = jnp.take_along_axis(feats, node[..., None], 1)
-        dpos = st.dcache.lengths[:, None] + jnp.arange(node.shape[1])[None]
-        dout, dcache = drafter(dfeats, new, dpos, cache=st.dcache)
-        st2 = dataclasses.replace(
-            st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key,
-            root=jnp.where(active, bonus, st.root),
-            last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
-            accept=st.accept.at[:, st.step].set(jnp.where(active, accepted, -1)))
-        return _emit(st2, new, count, stops, max_new)
+        with jax.named_scope("commit"):
+            tcache = kv_cache.commit(tcache, node, count)
+        with jax.named_scope("catch_up"):
+            # token following each committed node: the next accepted draft token, then the bonus
+            nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
+            new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None],
+                            jnp.take_along_axis(t.tokens, nxt_node, 1), bonus[:, None])
+            # the drafter consumes the committed nodes' target features (from the tree pass)
+            dfeats = jnp.take_along_axis(feats, node[..., None], 1)
+            dpos = st.dcache.lengths[:, None] + jnp.arange(node.shape[1])[None]
+            dout, dcache = drafter(dfeats, new, dpos, cache=st.dcache)
+        with jax.named_scope("emit"):
+            st2 = dataclasses.replace(
+                st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key,
+                root=jnp.where(active, bonus, st.root),
+                last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
+                accept=st.accept.at[:, st.step].set(jnp.where(active, accepted, -1)))
+            return _emit(st2, new, count, stops, max_new)
 
     body = vanilla_round if drafter is None else spec_round
 
@@ -151,17 +159,25 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
 _run_jit = jax.jit(_run, static_argnums=(0, 2), static_argnames=("max_len", "max_new", "stop_ids", "sampling", "tree"))
 
 
-_COMPILED: dict = {}
+# Compiled loops, least recently used first.  Each holds its executable (and its
+# constants) in memory, so the number kept is bounded.
+COMPILE_CACHE_SIZE = 16
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
 
 
 def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
-    """Compiles the loop once per (models, batch, prompt bucket, limits, tree, sampling)."""
+    """Compiles the loop once per (models, batch, prompt bucket, limits, tree, sampling);
+    keeps the ``COMPILE_CACHE_SIZE`` most recently used programs."""
     cache_key = (tgraph, dgraph, prompt_shape, kw)
-    if cache_key not in _COMPILED:
+    if cache_key in _COMPILED:
+        _COMPILED.move_to_end(cache_key)
+    else:
         spec = jax.ShapeDtypeStruct
         _COMPILED[cache_key] = _run_jit.lower(
             tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), spec(prompt_shape[:1], jnp.int32),
             jax.random.key(0), **dict(kw)).compile()
+        while len(_COMPILED) > COMPILE_CACHE_SIZE:
+            _COMPILED.popitem(last=False)
     return _COMPILED[cache_key]
 
 
@@ -176,6 +192,140 @@ def _bucket(n: int, base: int = 32) -> int:
     return max(base, -(-n // base) * base)
 
 
+# Below this, temperature sampling is numerically a greedy argmax with extra steps (and
+# logits / temperature overflow float32 near 1e-38): pass 0 for greedy decoding.
+MIN_TEMPERATURE = 1e-3
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {value}")
+    return int(value)
+
+
+def _float_arg(name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _token_rows(prompts, tokenizer, vocab_size: int) -> list[np.ndarray]:
+    """One int64 array per prompt, from the containers ``generate`` accepts."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif isinstance(prompts, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompts)
+        if arr.ndim not in (1, 2):
+            raise ValueError(f"prompts: an array must be 1-D (one prompt) or 2-D (one row per prompt), got shape {arr.shape}")
+        prompts = [arr] if arr.ndim == 1 else list(arr)
+    elif isinstance(prompts, (list, tuple)):
+        if prompts and all(_is_int(p) for p in prompts):
+            prompts = [prompts]  # one prompt given as a flat list of ids
+    else:
+        raise TypeError(f"prompts must be a list of token-id sequences, a 2-D array or strings, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts: need at least one prompt")
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}] is a string: pass tokenizer= to encode it")
+            p = tokenizer.encode(p)
+        if isinstance(p, (np.ndarray, jax.Array)):
+            arr = np.asarray(p)
+            if arr.ndim != 1:
+                raise ValueError(f"prompts[{i}]: expected a 1-D sequence of token ids, got shape {arr.shape}")
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"prompts[{i}]: token ids must be integers, got dtype {arr.dtype}")
+        elif isinstance(p, (list, tuple)):
+            bad = next((x for x in p if not _is_int(x)), None)
+            if bad is not None:
+                raise TypeError(f"prompts[{i}]: token ids must be integers, got {type(bad).__name__} {bad!r}")
+            arr = np.asarray(p, np.int64)
+        else:
+            raise TypeError(f"prompts[{i}]: expected a sequence of token ids, got {type(p).__name__}")
+        if arr.size == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        check_token_ids(arr, vocab_size, f"prompts[{i}]")
+        rows.append(arr.astype(np.int64))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A validated ``generate`` call: padded prompts and everything the compiled loop is keyed on."""
+
+    prompt_BxT: np.ndarray
+    lengths_B: np.ndarray
+    kw: tuple
+    seed: int
+
+
+def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
+             tokenizer) -> _Request:
+    vocab = target.config.vocab_size
+    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+    temperature = _float_arg("temperature", temperature)
+    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+    top_p = _float_arg("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = _int_arg("top_k", top_k, 0, vocab + 1)
+    seed = _int_arg("seed", seed, 0, 2 ** 32)
+    if not isinstance(tree, TreeConfig):
+        raise TypeError(f"tree must be a TreeConfig (e.g. TreeConfig(60, 7, 10) or TreeConfig.chain(4)), got {type(tree).__name__}")
+    if stop_token_ids is None:
+        stop_token_ids = ()
+    elif _is_int(stop_token_ids) or isinstance(stop_token_ids, (str, bytes)):
+        raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
+    stops = [_int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
+    seqs = _token_rows(prompts, tokenizer, vocab)
+    if drafter is not None:
+        if drafter.config.vocab_size != vocab or drafter.config.target_hidden_size != target.config.hidden_size:
+            raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")
+        if tree.top_k > drafter.config.draft_vocab_size:
+            raise ValueError(f"tree.top_k={tree.top_k} exceeds the draft vocabulary ({drafter.config.draft_vocab_size})")
+    longest = max(s.size for s in seqs)
+    T = _bucket(longest)
+    scratch = 1 if drafter is None else tree.scratch
+    max_len = T + max_new_tokens + scratch
+    if max_len > target.config.max_position_embeddings:
+        raise ValueError(f"prompts + max_new_tokens: the longest prompt ({longest} tokens, padded to a bucket of {T}) + "
+                         f"max_new_tokens ({max_new_tokens}) + {scratch} scratch slot(s) for a round = {max_len} exceeds "
+                         f"the target's max_position_embeddings ({target.config.max_position_embeddings})")
+    prompt = np.zeros((len(seqs), T), np.int32)
+    for i, s in enumerate(seqs):
+        prompt[i, : s.size] = s
+    lengths = np.array([s.size for s in seqs], np.int32)
+    stop_ids = tuple(sorted(set(target.config.eos_token_ids) | set(stops)))
+    kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
+              sampling=SamplingConfig(temperature, top_p, top_k), tree=tree if drafter is not None else None)
+    return _Request(prompt, lengths, tuple(kw.items()), seed)
+
+
+def compile_generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                     top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
+                     stop_token_ids: Sequence[int] | None = None, tokenizer=None):
+    """The compiled decode loop ``generate`` would run for these arguments, and its inputs:
+    ``(compiled, args)`` with ``compiled(*args) -> (out_BxN, n_out_B, accept_BxR)``.  For
+    inspecting the program (``compiled.as_text()``, ``eagle3_jax.cost``)."""
+    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                   top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids, tokenizer=tokenizer)
+    tgraph, tstate = nnx.split(target)
+    dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    compiled = _compiled(tgraph, dgraph, req.prompt_BxT.shape, req.kw, tstate, dstate)
+    return compiled, (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed))
+
+
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, tokenizer=None) -> GenerateResult:
@@ -187,53 +337,25 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     ``stop_token_ids``, counting committed tokens only.
 
     Args:
-      prompts: a list of token-id lists, or strings with ``tokenizer``.
+      prompts: one prompt (a list/tuple of token ids, a 1-D numpy or jax array, or a string
+        with ``tokenizer``), a list of such prompts, or a 2-D integer array (one row per prompt).
+      max_new_tokens: the most tokens generated per prompt (>= 1).
+      temperature: 0 for greedy, else >= ``MIN_TEMPERATURE``; ``top_p`` in (0, 1], ``top_k``
+        >= 0 (0 = off).
       tree: the draft tree budget (``TreeConfig``); ignored without a drafter.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("prompts: need at least one prompt")
-    if isinstance(prompts[0], str):
-        if tokenizer is None:
-            raise ValueError("prompts are strings: pass tokenizer= to encode them")
-        prompts = [tokenizer.encode(p) for p in prompts]
-    seqs = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
-    if any(s.size == 0 for s in seqs):
-        raise ValueError("prompts: empty prompt")
-    for i, s in enumerate(seqs):
-        check_token_ids(s, target.config.vocab_size, f"prompts[{i}]")
-    sampling = SamplingConfig(temperature, top_p, top_k)
-    if drafter is not None:
-        if drafter.config.vocab_size != target.config.vocab_size or drafter.config.target_hidden_size != target.config.hidden_size:
-            raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")
-        if tree.top_k > drafter.config.draft_vocab_size:
-            raise ValueError(f"tree.top_k={tree.top_k} exceeds the draft vocabulary ({drafter.config.draft_vocab_size})")
-    T = _bucket(max(s.size for s in seqs))
-    scratch = 1 if drafter is None else tree.scratch
-    max_len = T + max_new_tokens + scratch
-    if max_len > target.config.max_position_embeddings:
-        raise ValueError(f"prompt ({max(s.size for s in seqs)}) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's max_position_embeddings ({target.config.max_position_embeddings})")
-    prompt = np.zeros((len(seqs), T), np.int32)
-    for i, s in enumerate(seqs):
-        prompt[i, : s.size] = s
-    lengths = np.array([s.size for s in seqs], np.int32)
-    stop_ids = tuple(sorted(set(target.config.eos_token_ids) | set(stop_token_ids or ())))
+      seed: the sampling seed, in [0, 2**32).
+      stop_token_ids: token ids that end a sequence, besides the target's EOS ids.
 
-    tgraph, tstate = nnx.split(target)
-    dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
-    kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
-              tree=tree if drafter is not None else None)
-    compiled = _compiled(tgraph, dgraph, prompt.shape, tuple(kw.items()), tstate, dstate)
+    Raises ``TypeError`` / ``ValueError`` naming the argument for malformed input.
+    """
+    compiled, args = compile_generate(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
+                                      tokenizer=tokenizer)
     start = time.perf_counter()
-    out, n_out, accept = jax.block_until_ready(
-        compiled(tstate, dstate, jnp.asarray(prompt), jnp.asarray(lengths), jax.random.key(seed)))
+    out, n_out, accept = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
     out, n_out, accept = np.asarray(out), np.asarray(n_out), np.asarray(accept)
-    tokens = [out[b, : n_out[b]].tolist() for b in range(len(seqs))]
+    tokens = [out[b, : n_out[b]].tolist() for b in range(out.shape[0])]
     stats = _stats(accept, n_out, seconds, None if drafter is None else tree)
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
     return GenerateResult(tokens, stats, texts)

@@ -35,6 +35,21 @@ def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, hea
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
+def write(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, at_B) -> KVCache:
+    """Writes ``T`` new rows per layer and sequence at slots ``at[b] + [0, T)`` (lengths
+    unchanged), updating the cache in place when it is donated or carried by a loop."""
+    return KVCache(_put(cache.k, k_new_LxBxTxKxD, at_B), _put(cache.v, v_new_LxBxTxKxD, at_B), cache.lengths)
+
+
+def _put(c_LxBxSxKxD, new_LxBxTxKxD, at_B):
+    B, T = new_LxBxTxKxD.shape[1:3]
+    new = new_LxBxTxKxD.astype(c_LxBxSxKxD.dtype)
+    if B == 1:  # one contiguous window: a dynamic-update-slice
+        return jax.lax.dynamic_update_slice(c_LxBxSxKxD, new, (0, 0, at_B[0], 0, 0))
+    slots_BxT = at_B[:, None] + jnp.arange(T)[None, :]
+    return c_LxBxSxKxD.at[:, jnp.arange(B)[:, None], slots_BxT].set(new, unique_indices=True)
+
+
 def commit(cache: KVCache, src_BxA, count_B) -> KVCache:
     """Keeps new slots ``lengths + src[b, :count[b]]`` at ``lengths + [0, count[b])``.
 
@@ -43,12 +58,11 @@ def commit(cache: KVCache, src_BxA, count_B) -> KVCache:
     overlapping moves are safe.
     """
     B, A = src_BxA.shape
-    b = jnp.arange(B)[:, None]
     src = cache.lengths[:, None] + src_BxA
-    dst = cache.lengths[:, None] + jnp.arange(A)[None, :]
-    k = cache.k.at[:, b, dst].set(cache.k[:, b, src])
-    v = cache.v.at[:, b, dst].set(cache.v[:, b, src])
-    return KVCache(k, v, cache.lengths + count_B.astype(jnp.int32))
+    b = jnp.arange(B)[:, None]
+    moved_k = cache.k[:, b, src]  # [L, B, A, K, D]: only the accepted rows
+    moved_v = cache.v[:, b, src]
+    return advance(write(cache, moved_k, moved_v, cache.lengths), count_B)
 
 
 def advance(cache: KVCache, count_B) -> KVCache:

@@ -50,7 +50,10 @@ def swiglu(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
 
 
 def visibility(prefix_len_B, region_mask_BxTxR, num_slots: int):
-    """Boolean ``[B, T, S]``: which of ``num_slots`` key slots each query sees (see module doc)."""
+    """Boolean ``[B, T, S]``: which of ``num_slots`` key slots each query sees (see module doc).
+
+    The reference statement of the rule; :func:`attention` computes the same attention
+    without materialising it (tests compare the two)."""
     R = region_mask_BxTxR.shape[-1]
     rel_BxS = jnp.arange(num_slots)[None, :] - prefix_len_B[:, None]
     in_region = (rel_BxS >= 0) & (rel_BxS < R)
@@ -59,8 +62,9 @@ def visibility(prefix_len_B, region_mask_BxTxR, num_slots: int):
     return (rel_BxS < 0)[:, None, :] | (in_region[:, None, :] & region)
 
 
-def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
-    """Grouped-query attention with an explicit visibility mask; softmax in float32."""
+def attention_ref(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
+    """Grouped-query attention with an explicit visibility mask over all ``S`` slots; softmax
+    in float32.  The reference twin of :func:`attention` (cost grows with ``S``)."""
     B, T, N, D = q_BxTxNxD.shape
     K = k_BxSxKxD.shape[2]
     q = q_BxTxNxD.reshape(B, T, K, N // K, D)
@@ -69,6 +73,84 @@ def attention_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
     return out.reshape(B, T, N, D)
+
+
+# Cache slots per step of the prefix walk: large enough that the loop's per-step cost is
+# small next to its work, small enough that a short prefix reads little past its end.
+PREFIX_BLOCK = 256
+_FEW_ROWS = 8
+
+
+def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, region_mask_BxTxR, *,
+              scale: float, region_kv=None, block: int | None = None):
+    """Attention of ``T`` new queries over the committed prefix plus the region, computed
+    blockwise: the cost follows the longest prefix in the batch (rounded up to ``block``
+    slots), not the cache's capacity.
+
+    ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache (read only: slots
+    ``[0, prefix_len[b])`` of ``layer``) or ``None`` (no prefix).  The region is ``region_kv``
+    (``(k_BxOxKxD, v_BxOxKxD)``: earlier draft-tree expansions, or ``None``) followed by the
+    ``T`` new keys/values, which are passed in, not read back; ``region_mask[b, t, j]``
+    (``R >= O + T`` columns; later ones are unused) says whether query ``t`` sees region
+    slot ``j``.  Same result as :func:`attention_ref`
+    under :func:`visibility`; one float32 online softmax over the prefix blocks and the region.
+    """
+    B, T, N, D = q_BxTxNxD.shape
+    K = k_new_BxTxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxNxD.reshape(B, T, K, N // K, D)
+    k_reg, v_reg = k_new_BxTxKxD, v_new_BxTxKxD
+    if region_kv is not None:
+        k_reg = jnp.concatenate([region_kv[0], k_reg.astype(region_kv[0].dtype)], 1)
+        v_reg = jnp.concatenate([region_kv[1], v_reg.astype(region_kv[1].dtype)], 1)
+    mask_BxTxR = region_mask_BxTxR[..., : k_reg.shape[1]]
+
+    # A few query rows per KV head (decode): broadcast-multiply-reduce, which XLA fuses into
+    # one pass over the keys for the whole batch, instead of B·K tiny matrix products.
+    few_rows = T * (N // K) <= _FEW_ROWS
+
+    def scores(k_BxSxKxD, visible):  # visible broadcasts to [B, K, G, T, S]
+        if few_rows:
+            s = (q_BxTxKxGxD.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(jnp.float32)
+                 * k_BxSxKxD.transpose(0, 2, 1, 3)[:, :, None, None].astype(jnp.float32)).sum(-1)
+        else:
+            s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
+        return jnp.where(visible, s * scale, -jnp.inf)
+
+    def update(state, s_BxKxGxTxS, v_BxSxKxD):
+        m, l, acc = state
+        m_new = jnp.maximum(m, s_BxKxGxTxS.max(-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s_BxKxGxTxS - m_safe)
+        if few_rows:
+            pv = (p[..., None] * v_BxSxKxD.transpose(0, 2, 1, 3)[:, :, None, None].astype(jnp.float32)).sum(-2)
+        else:
+            pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD, preferred_element_type=jnp.float32)
+        return m_new, alpha * l + p.sum(-1, keepdims=True), alpha * acc + pv
+
+    G = N // K
+    state = (jnp.full((B, K, G, T, 1), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T, 1), jnp.float32),
+             jnp.zeros((B, K, G, T, D), jnp.float32))
+    state = update(state, scores(k_reg, mask_BxTxR[:, None, None]), v_reg)
+    if kv is not None:
+        S = kv[0].shape[2]
+        blk = min(block or PREFIX_BLOCK, S)
+
+        def prefix_block(j, state):
+            start = jnp.minimum(j * blk, S - blk)  # the last block ends at the cache's end
+            at = (layer, 0, start, 0, 0)
+            size = (1, B, blk) + kv[0].shape[3:]
+            k_blk = jax.lax.dynamic_slice(kv[0], at, size)[0]
+            v_blk = jax.lax.dynamic_slice(kv[1], at, size)[0]
+            slot = start + jnp.arange(blk)
+            visible_BxS = (slot[None] >= j * blk) & (slot[None] < prefix_len_B[:, None])  # not the previous block's
+            return update(state, scores(k_blk, visible_BxS[:, None, None, None]), v_blk)
+
+        n_blocks = (jnp.max(prefix_len_B) + blk - 1) // blk
+        state = jax.lax.fori_loop(0, n_blocks, prefix_block, state)
+    _, l, acc = state
+    out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # [B, K, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
 
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "pallas_interpret_gpu")
@@ -86,40 +168,41 @@ def qkv(p, x_BxTxE, cos, sin, *, num_heads: int, num_kv_heads: int, head_dim: in
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def self_attention(p, x_BxTxE, cos, sin, visible_BxTxS, kv, layer, write_at_B, *, num_heads: int,
-                   num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla", region_mask_BxTxT=None):
-    """Projections (+ optional biases and q/k norms), RoPE, cache write and attention.
+def self_attention(p, x_BxTxE, cos, sin, kv, layer, prefix_len_B, region_mask_BxTxR, *, num_heads: int,
+                   num_kv_heads: int, head_dim: int, eps: float, impl: str = "xla", region_kv=None, write=None):
+    """Projections (+ optional biases and q/k norms), RoPE and attention over the cache
+    prefix plus the region (see :func:`attention`).
 
-    ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache, written only at the new
-    rows of ``layer``, or ``None`` (attend to the new tokens only).
-    ``impl="pallas"`` / ``"pallas_interpret[_gpu]"`` use the tree-attention kernel, which needs
-    the new tokens written right after the prefix (``write_at == prefix``) and their
-    ``[T, T]`` region mask.  Returns ``(out_BxTxH, kv)``.
+    ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache, only read here, or ``None``
+    (attend to the new tokens only).  The caller writes the returned new keys/values
+    (``kv_cache.write``), after the layer scan, so the cache never travels through it; or
+    ``write(kv, k_new, v_new) -> kv`` writes them *before* the prefix is read, and the
+    written ``kv`` is returned in their place (a buffer read by a loop and then updated in
+    place would be copied by XLA; updated first, it is not).
+    ``impl="pallas"`` / ``"pallas_interpret[_gpu]"`` use the tree-attention kernel (no
+    ``region_kv``).  Returns ``(out_BxTxH, (k_new_BxTxKxD, v_new_BxTxKxD))``.
     """
     B, T, _ = x_BxTxE.shape
     q, k, v = qkv(p, x_BxTxE, cos, sin, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
     if kv is not None:
-        kv = (write_kv(kv[0], k, layer, write_at_B), write_kv(kv[1], v, layer, write_at_B))
+        k, v = k.astype(kv[0].dtype), v.astype(kv[1].dtype)
+        if write is not None:
+            kv = write(kv, k, v)
     if impl == "xla":
-        k_all, v_all = (k, v) if kv is None else (kv[0][layer], kv[1][layer])
-        out = attention_xla(q, k_all, v_all, visible_BxTxS, head_dim ** -0.5)
+        out = attention(q, kv, layer, prefix_len_B, k, v, region_mask_BxTxR, scale=head_dim ** -0.5,
+                        region_kv=region_kv)
     elif impl in _INTERPRET:
         from pallas_kernels import tree_attention
 
+        if region_kv is not None:
+            raise ValueError(f"attention_impl={impl!r} does not take region_kv")
         # the kernel reads this layer of the stacked cache in place; without one, an empty prefix
-        cache, prefix = ((k, v), jnp.zeros((B,), jnp.int32)) if kv is None else (kv, write_at_B)
-        out = tree_attention.attention(q, *cache, prefix, k, v, region_mask_BxTxT, scale=head_dim ** -0.5,
+        cache, prefix = ((k, v), jnp.zeros((B,), jnp.int32)) if kv is None else (kv, prefix_len_B)
+        out = tree_attention.attention(q, *cache, prefix, k, v, region_mask_BxTxR, scale=head_dim ** -0.5,
                                        layer=None if kv is None else layer, interpret=_INTERPRET[impl])
     else:
         raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
-    return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), kv
-
-
-def write_kv(cache_LxBxSxKxD, new_BxTxKxD, layer, write_at_B):
-    """Writes ``T`` new rows per sequence at ``[layer, b, write_at[b] + [0, T)]``."""
-    B, T = new_BxTxKxD.shape[:2]
-    slots_BxT = write_at_B[:, None] + jnp.arange(T)[None, :]
-    return cache_LxBxSxKxD.at[layer, jnp.arange(B)[:, None], slots_BxT].set(new_BxTxKxD.astype(cache_LxBxSxKxD.dtype))
+    return out.reshape(B, T, -1) @ p["wo"] + p.get("bo", 0), (k, v) if write is None else kv
 
 
 def causal_mask(batch: int, length: int):

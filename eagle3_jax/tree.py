@@ -51,8 +51,9 @@ class TreeConfig:
 
     @property
     def scratch(self) -> int:
-        """Cache slots a round needs past the committed prefix (tree nodes or expansion keys)."""
-        return max(self.total_tokens, self.depth * self.top_k, self.path_len)
+        """Cache slots a round needs past the committed prefix (the verified tree's nodes, the
+        drafter's accepted path)."""
+        return max(self.total_tokens, self.path_len)
 
 
 @jax.tree_util.register_dataclass
@@ -67,8 +68,7 @@ class Tree:
 
 def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) -> Tree:
     """Builds the draft tree below ``root`` from the drafter's output after the
-    committed context.  Expansion keys go to scratch slots after ``cache.lengths`` and
-    are discarded (the cache is not returned)."""
+    committed context (read from ``cache``, which is not written)."""
     B = root_B.shape[0]
     k, D = cfg.top_k, cfg.depth
     logp = jax.nn.log_softmax(drafter.logits(last_hidden_BxH), axis=-1)
@@ -80,11 +80,16 @@ def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) ->
     beam_hidden = jnp.broadcast_to(last_hidden_BxH[:, None], (B, k, last_hidden_BxH.shape[-1]))
     beam_tokens = cand_tokens[0]
     beam_cand = jnp.broadcast_to(jnp.arange(k), (B, k))
-    # ancestors among cached beams; expansion i writes its beams at region slots [i*k, (i+1)*k)
+    # ancestors among the expanded beams; expansion i's beams are region slots [i*k, (i+1)*k),
+    # their keys/values carried here (the drafter's cache is only read)
     beam_anc = jnp.broadcast_to(jnp.eye(k, D * k, dtype=bool), (B, k, D * k))
+    region_kv = None
     for i in range(D):
         pos = jnp.broadcast_to(cache.lengths[:, None] + i, (B, k))
-        out, cache = drafter(beam_hidden, beam_tokens, pos, cache=cache, region_mask_BxTxR=beam_anc, write_offset=i * k)
+        out, (k_new, v_new) = drafter.step(beam_hidden, beam_tokens, pos, cache=cache, region_mask_BxTxR=beam_anc,
+                                           region_kv=region_kv)
+        region_kv = (k_new, v_new) if region_kv is None else (
+            jnp.concatenate([region_kv[0], k_new], 1), jnp.concatenate([region_kv[1], v_new], 1))
         child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(drafter.logits(out), axis=-1), k)  # [B, k, k]
         cu = (child_logp + scores[:, :, None]).reshape(B, k * k)  # beam-major, child-rank minor
         child_tokens = drafter.to_target_ids(child_ids).reshape(B, k * k)

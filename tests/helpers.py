@@ -89,6 +89,11 @@ def oracle_drafter(target, prompts, continuation_len: int, seed: int = 0):
             out = jnp.zeros((B, T, tc.hidden_size)).at[..., 0].set(positions).at[..., 1].set(row)
             return out, cache
 
+        def step(self, hidden, tokens, positions, *, cache=None, region_mask_BxTxR=None, region_kv=None):
+            out, _ = self(hidden, tokens, positions)
+            kv = jnp.zeros(tokens.shape + (1, 1))
+            return out, (kv, kv)
+
         def logits(self, out):
             pos = out[..., 0].astype(jnp.int32) + 2
             row = out[..., 1].astype(jnp.int32)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import DrafterConfig
-from eagle3_jax.kv_cache import KVCache, init_cache
+from eagle3_jax.kv_cache import KVCache, init_cache, write
 
 ATTN_PARAMS = ("wq", "wk", "wv", "wo")
 MLP_PARAMS = ("w_gate", "w_up", "w_down")
@@ -58,30 +58,49 @@ class Drafter(nnx.Module):
         self.inv_freq = Frozen(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
 
     def __call__(self, hidden_BxTxF, tokens_BxT, positions_BxT, *, cache: KVCache | None = None,
-                 region_mask_BxTxR=None, write_offset=0):
+                 region_mask_BxTxR=None, write_offset: int = 0):
         """One drafter step over ``T`` tokens; returns ``(out_hidden_BxTxH pre-norm, cache)``.
 
         Attention follows :func:`eagle3_jax.layers.visibility`: the committed drafter
         context is visible, and the region mask covers the slots right after it.  New
-        keys are written at ``cache.lengths + write_offset`` (draft-tree expansions
-        stack their beams there; the committed length is not advanced).
+        keys are written at ``cache.lengths + write_offset`` (the ``write_offset`` slots
+        before them belong to the region; the committed length is not advanced).
         """
+        region_kv = write_kv = None
+        if cache is not None:
+            if write_offset:
+                slots_BxO = cache.lengths[:, None] + jnp.arange(write_offset)[None]
+                bidx = jnp.arange(tokens_BxT.shape[0])[:, None]
+                region_kv = (cache.k[0, bidx, slots_BxO], cache.v[0, bidx, slots_BxO])
+            at_B = cache.lengths + write_offset
+
+            def write_kv(kv, k_new, v_new):
+                written = write(KVCache(*kv, cache.lengths), k_new[None], v_new[None], at_B)
+                return written.k, written.v
+
+        h, kv = self.step(hidden_BxTxF, tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR,
+                          region_kv=region_kv, _write=write_kv)
+        return h, None if cache is None else KVCache(*kv, cache.lengths)
+
+    def step(self, hidden_BxTxF, tokens_BxT, positions_BxT, *, cache: KVCache | None = None,
+             region_mask_BxTxR=None, region_kv=None, _write=None):
+        """The drafter step without a cache write: the committed context of ``cache`` (read
+        only), then the region ``region_kv`` (earlier keys/values ``[B, O, K, D]``, e.g. the
+        beams of earlier tree expansions) and the ``T`` new tokens under ``region_mask``.
+        Returns ``(out_hidden_BxTxH pre-norm, (k_new_BxTxKxD, v_new_BxTxKxD))``."""
         cfg = self.config
         B, T = tokens_BxT.shape
         h = self.fuse(hidden_BxTxF)
         if region_mask_BxTxR is None:
             region_mask_BxTxR = layers.causal_mask(B, T)
         prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
-        visible = layers.visibility(prefix, region_mask_BxTxR, T if cache is None else cache.max_len)
         cos, sin = self.rope(positions_BxT)
         kv = None if cache is None else (cache.k, cache.v)
-        a, kv = layers.self_attention(self.attn_params(), self.layer_input(h, tokens_BxT), cos, sin, visible, kv, 0,
-                                      prefix + write_offset, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                      head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-        h = self.layer_output(h, a)
-        if cache is not None:
-            cache = KVCache(kv[0], kv[1], cache.lengths)
-        return h, cache
+        a, new_kv = layers.self_attention(
+            self.attn_params(), self.layer_input(h, tokens_BxT), cos, sin, kv, 0, prefix, region_mask_BxTxR,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            region_kv=region_kv, write=_write)
+        return self.layer_output(h, a), new_kv
 
     # The pieces of the layer, shared with training-time test (train/ttt.py).
     def fuse(self, hidden_BxTxF):

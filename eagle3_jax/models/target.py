@@ -17,7 +17,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import TargetConfig
-from eagle3_jax.kv_cache import KVCache, advance, init_cache
+from eagle3_jax.kv_cache import KVCache, advance, init_cache, write
 
 # Flax-layout parameter shapes (stacked layers first) — used for init, loading and sharding.
 LAYER_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
@@ -88,34 +88,32 @@ class Target(nnx.Module):
         if region_mask_BxTxR is None:
             region_mask_BxTxR = layers.causal_mask(B, T)
         prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
-        num_slots = T if cache is None else cache.max_len
-        visible = layers.visibility(prefix, region_mask_BxTxR, num_slots)
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
 
         h = self.embed[...][tokens_BxT].astype(self.dtype)
         stacked = {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
         capture = jnp.asarray(cfg.capture_layers)
         feats = jnp.zeros((3, B, T, cfg.hidden_size), self.dtype)
-        kv = (cache.k, cache.v) if cache is not None else None
+        kv = (cache.k, cache.v) if cache is not None else None  # read only inside the scan
 
         def layer(carry, xs):
-            h, feats, kv = carry
+            h, feats = carry
             i, p = xs
             feats = jnp.where((capture == i)[:, None, None, None], h[None], feats)
             x = layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
-            a, kv = layers.self_attention(
-                p, x, cos, sin, visible, kv, i, prefix, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl, region_mask_BxTxT=region_mask_BxTxR)
+            a, new_kv = layers.self_attention(
+                p, x, cos, sin, kv, i, prefix, region_mask_BxTxR, num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, impl=self.attention_impl)
             h = h + a
             x = layers.rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
             h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
-            return (h, feats, kv), None
+            return (h, feats), new_kv
 
-        (h, feats, kv), _ = jax.lax.scan(layer, (h, feats, kv), (jnp.arange(cfg.num_layers), stacked))
+        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), (jnp.arange(cfg.num_layers), stacked))
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
         if cache is not None:
-            cache = KVCache(kv[0], kv[1], cache.lengths)
+            cache = write(cache, k_new, v_new, prefix)
         return h, features, cache
 
     def head(self, hidden_BxTxH):

@@ -1,0 +1,131 @@
+"""Where a decode step's and a round's time goes, and whether XLA copies the KV cache.
+
+Two instruments, both on compiled programs:
+
+* :func:`profile_parts` runs a compiled function under the JAX profiler and charges
+  each executed XLA op's own time (its duration minus the ops nested in it) to the
+  innermost named scope of the round it came from (``draft``, ``verify``,
+  ``catch_up``, ``commit``, ``emit``, …, see ``decode.py``), via the op's metadata in
+  the optimized HLO.
+* :func:`cache_ops` lists the ops of an optimized HLO module whose result is at least
+  as large as one layer of the KV cache: copies of cache-sized buffers (what must not
+  happen per step), and in-place updates (dynamic-update-slice, scatter).
+
+``eagle3-jax bench --cost`` prints both for the vanilla step and the speculative round.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_NOT_COMPUTED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # aliases, no data moved
+PARTS = ("prefill", "draft", "verify", "commit", "catch_up", "emit", "step")
+
+
+def _bytes(dtype: str, dims: str) -> int:
+    return _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+
+
+def op_parts(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name → the innermost round part named in its ``op_name`` (or ``other``)."""
+    parts = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
+        if not m:
+            continue
+        op = _OP_NAME.search(line)
+        scopes = op.group(1).split("/") if op else []
+        parts[m.group(1)] = next((s for s in reversed(scopes) if s in PARTS), "other")
+    return parts
+
+
+def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str]]:
+    """Every op of an optimized HLO module (outside fused computations) with a result of
+    ``min_bytes`` or more: ``(name, op, bytes, computation)``.  A fusion is named by the op
+    at its root; ``computation`` is ``ENTRY`` for ops that run once per call, else the loop
+    body or called computation that holds them (run per iteration)."""
+    roots, comp_of, found = {}, {}, []
+    comp = None
+    lines = hlo_text.splitlines()
+    for line in lines:
+        head = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if head:
+            comp = "ENTRY" if head.group(1) else head.group(2)
+        m = re.match(r"^\s*ROOT %\S+ = \w+\[[\d,]*\]\S* ([\w-]+)\(", line)
+        if m and comp:
+            roots[comp] = m.group(1)
+        m = _INSTR.match(line)
+        if m and comp:
+            comp_of[m.group(1)] = comp
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m or "fused" in comp_of.get(m.group(1), "fused"):
+            continue
+        name, dtype, dims, op = m.groups()
+        size = _bytes(dtype, dims)
+        if size < min_bytes or op in _NOT_COMPUTED:
+            continue
+        if op == "fusion":
+            called = re.search(r"calls=%([\w.-]+)", line)
+            op = roots.get(called.group(1), "fusion") if called else "fusion"
+        found.append((name, op, size, comp_of[name]))
+    return found
+
+
+def cache_ops(hlo_text: str, min_bytes: int) -> dict:
+    """The ops of :func:`large_ops` that copy or update a buffer of ``min_bytes`` or more
+    (one cache layer, say): ``{"copy": [...], "in_place": [...]}``.  A ``copy`` of that size
+    inside a loop is a cache copy per iteration; dynamic-update-slice and scatter are
+    updates in place (XLA aliases their buffer)."""
+    ops = large_ops(hlo_text, min_bytes)
+    return {"copy": [o for o in ops if o[1] == "copy"],
+            "in_place": [o for o in ops if o[1] in ("dynamic-update-slice", "scatter")]}
+
+
+def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
+    """Microseconds per call of ``compiled(*args)`` charged to each round part (exclusive
+    op time from the profiler trace; ``other`` = ops outside any named part)."""
+    parts = op_parts(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        try:
+            for _ in range(repeats):
+                jax.block_until_ready(compiled(*args))
+        finally:
+            jax.profiler.stop_trace()
+        trace = next(Path(d).rglob("*.trace.json.gz"), None)
+        if trace is None:
+            raise RuntimeError("the JAX profiler wrote no perfetto trace")
+        events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = [e for e in events if e.get("ph") == "X" and e.get("name") in parts]
+    totals: dict[str, float] = collections.Counter()
+    by_thread = collections.defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():  # exclusive time: minus the ops nested inside (while bodies, calls)
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, event, child time]
+        def close(entry):
+            totals[parts[entry[1]["name"]]] += entry[1]["dur"] - entry[2]
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e, 0.0])
+        while stack:
+            close(stack.pop())
+    return {k: v / repeats for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}

@@ -1,0 +1,103 @@
+"""Malformed arguments to `eagle3_jax.generate`: each is refused before anything compiles,
+with the right exception type and a message naming the argument; the accepted prompt
+containers all mean the same prompts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle3_jax
+from eagle3_jax import decode
+from eagle3_jax.tree import TreeConfig
+from helpers import FIXTURES
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    return target, eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
+
+
+OK = [[1, 2, 3]]
+BAD = [
+    # (id, kwargs, exception, words the message must contain)
+    ("prompt-floats", dict(prompts=[[1.0, 2.0]]), TypeError, "prompts[0]"),
+    ("prompt-float-array", dict(prompts=np.array([[1.5, 2.0]])), TypeError, "prompts[0]"),
+    ("prompt-bools", dict(prompts=[[True, False]]), TypeError, "prompts[0]"),
+    ("prompt-bool-array", dict(prompts=[np.array([True, False])]), TypeError, "prompts[0]"),
+    ("prompt-string-no-tokenizer", dict(prompts=["hello"]), ValueError, "tokenizer"),
+    ("prompt-empty-list", dict(prompts=[]), ValueError, "prompts"),
+    ("prompt-empty-row", dict(prompts=[[1, 2], []]), ValueError, "prompts[1]"),
+    ("prompt-3d-array", dict(prompts=np.zeros((1, 2, 3), np.int32)), ValueError, "prompts"),
+    ("prompt-nested-row", dict(prompts=[[[1, 2]]]), TypeError, "prompts[0]"),
+    ("prompt-none", dict(prompts=None), TypeError, "prompts"),
+    ("prompt-int", dict(prompts=5), TypeError, "prompts"),
+    ("prompt-dict", dict(prompts={"a": 1}), TypeError, "prompts"),
+    ("prompt-id-negative", dict(prompts=[[1, -1]]), ValueError, "prompts[0]"),
+    ("prompt-id-too-large", dict(prompts=[[1, 10 ** 6]]), ValueError, "prompts[0]"),
+    ("prompt-row-of-strings", dict(prompts=[["a", "b"]]), TypeError, "prompts[0]"),
+    ("max-new-zero", dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    ("max-new-float", dict(max_new_tokens=8.0), TypeError, "max_new_tokens"),
+    ("max-new-bool", dict(max_new_tokens=True), TypeError, "max_new_tokens"),
+    ("max-new-string", dict(max_new_tokens="8"), TypeError, "max_new_tokens"),
+    ("too-long", dict(max_new_tokens=10 ** 6), ValueError, "max_position_embeddings"),
+    ("temperature-nan", dict(temperature=float("nan")), ValueError, "temperature"),
+    ("temperature-inf", dict(temperature=float("inf")), ValueError, "temperature"),
+    ("temperature-negative", dict(temperature=-0.5), ValueError, "temperature"),
+    ("temperature-tiny", dict(temperature=1e-12), ValueError, "temperature"),
+    ("temperature-string", dict(temperature="0.7"), TypeError, "temperature"),
+    ("top-p-zero", dict(top_p=0.0), ValueError, "top_p"),
+    ("top-p-above-one", dict(top_p=1.5), ValueError, "top_p"),
+    ("top-p-nan", dict(top_p=float("nan")), ValueError, "top_p"),
+    ("top-k-negative", dict(top_k=-1), ValueError, "top_k"),
+    ("top-k-float", dict(top_k=2.5), TypeError, "top_k"),
+    ("top-k-above-vocab", dict(top_k=10 ** 6), ValueError, "top_k"),
+    ("seed-negative", dict(seed=-1), ValueError, "seed"),
+    ("seed-float", dict(seed=1.5), TypeError, "seed"),
+    ("seed-huge", dict(seed=2 ** 40), ValueError, "seed"),
+    ("tree-tuple", dict(tree=(60, 7, 10)), TypeError, "tree"),
+    ("tree-top-k-over-draft-vocab", dict(tree=TreeConfig(4, 1, 10 ** 4 // 2)), ValueError, "top_k"),
+    ("stop-int", dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+    ("stop-string", dict(stop_token_ids="5"), TypeError, "stop_token_ids"),
+    ("stop-float", dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids[0]"),
+    ("stop-out-of-vocab", dict(stop_token_ids=[10 ** 6]), ValueError, "stop_token_ids[0]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_generate_argument_is_named(pair, kwargs, exc, words, monkeypatch):
+    target, drafter = pair
+    compiled = []
+    monkeypatch.setattr(decode, "_compiled", lambda *a: compiled.append(a))  # nothing may compile
+    args = dict(prompts=OK, max_new_tokens=8)
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with pytest.raises(exc) as info:
+        eagle3_jax.generate(target, drafter, prompts, **args)
+    assert words in str(info.value)
+    assert not compiled
+
+
+def test_prompt_containers_mean_the_same_prompts(pair):
+    """Lists, tuples, numpy int64 scalars, 1-D numpy/jax arrays and a 2-D array (one row per
+    prompt) all give the same padded batch; a flat list of ids is one prompt."""
+    target, _ = pair
+    want = decode._prepare(target, None, [[5, 6, 7], [8, 9, 10]], max_new_tokens=4, temperature=0.0, top_p=1.0,
+                           top_k=0, tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+    forms = [
+        ((5, 6, 7), (8, 9, 10)),
+        [np.array([5, 6, 7]), jnp.array([8, 9, 10])],
+        np.array([[5, 6, 7], [8, 9, 10]]),
+        jnp.array([[5, 6, 7], [8, 9, 10]], jnp.int32),
+        [[np.int64(5), np.int64(6), np.int64(7)], [np.int32(8), 9, 10]],
+    ]
+    for form in forms:
+        got = decode._prepare(target, None, form, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+                              tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+        np.testing.assert_array_equal(got.prompt_BxT, want.prompt_BxT)
+        np.testing.assert_array_equal(got.lengths_B, want.lengths_B)
+    one = decode._prepare(target, None, [np.int64(5), 6, 7], max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+                          tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+    assert one.prompt_BxT.shape[0] == 1 and one.lengths_B.tolist() == [3]
