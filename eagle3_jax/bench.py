@@ -180,9 +180,10 @@ def write_figure(reports: list[dict], path: str | Path):
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = [e["tree"]["name"] for e in reports[0]["eagle3"]]
     width = 0.8 / len(reports)
+    sweep = len({rep["settings"]["max_new_tokens"] for rep in reports}) > 1
     for j, rep in enumerate(reports):
         x = [i + j * width for i in range(len(names))]
-        label = f"T={rep['settings']['temperature']}"
+        label = f"T={rep['settings']['temperature']}" + (f", max {rep['settings']['max_new_tokens']}" if sweep else "")
         ax1.bar(x, [e["speedup"] for e in rep["eagle3"]], width, label=label)
         ax2.bar(x, [e["tau"] for e in rep["eagle3"]], width, label=label)
     for ax, title in ((ax1, "speedup over vanilla (×)"), (ax2, "τ (tokens per round)")):

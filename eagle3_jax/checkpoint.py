@@ -8,10 +8,21 @@ PyTorch ``Linear`` weights ``[out, in]`` become Flax ``[in, out]``.
 
 from __future__ import annotations
 
+import collections
+import errno
+import io
 import json
+import math
+import os
 import pickle
+import re
+import reprlib
+import secrets
+import shutil
+import struct
+import sys
 import zipfile
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +36,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def resolve_dtype(dtype, default: str = "float32"):
+    """``dtype`` (a name in ``DTYPES``, one of their jnp/numpy types, or ``None`` for
+    ``default``) as a jnp scalar type; anything else is an error naming ``dtype``."""
     name = dtype if isinstance(dtype, str) else None
     if dtype is None:
         name = default
@@ -32,118 +45,355 @@ def resolve_dtype(dtype, default: str = "float32"):
         if name not in DTYPES:
             raise ValueError(f"dtype={name!r}: expected one of {sorted(DTYPES)}")
         return DTYPES[name]
-    return jnp.dtype(dtype).type
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)} or their jnp types") from None
+    if resolved.name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    return resolved.type
 
 
 # --------------------------------------------------------------------------- sources
+# Bounds on what reading an (untrusted) checkpoint may cost.
+MAX_PICKLE_BYTES = 16 << 20  # data.pkl of a torch zip checkpoint
+MAX_INDEX_BYTES = 16 << 20  # model.safetensors.index.json
+MAX_INFLATION = 64  # zip entries read from one archive inflate to at most 64x its size ...
+INFLATION_SLACK = 1 << 20  # ... plus 1 MiB (torch.save stores entries uncompressed)
+
+
+def _check_finite(arr, file: Path, name: str):
+    if jnp.issubdtype(arr.dtype, jnp.inexact) and not bool(jnp.isfinite(arr).all()):
+        raise ValueError(f"{file}: tensor {name!r} holds NaN or infinite values")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index, each file checked to lie inside the index's
+    directory (relative, no ``..``, symlinks resolving inside it or into the ``blobs/``
+    folder of a Hugging Face cache snapshot)."""
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise ValueError(f"{index}: {index.stat().st_size} bytes, more than a safetensors index may hold "
+                         f"({MAX_INDEX_BYTES})")
+    try:
+        raw = json.loads(index.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{index}: malformed safetensors index ({type(e).__name__}: {str(e)[:200]})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ValueError(f"{index}: malformed safetensors index: 'weight_map' must be an object "
+                         f"mapping tensor names to file names")
+    root = index.parent.resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    for file in set(weight_map.values()):
+        parts = file.replace("\\", "/").split("/")
+        inside = bool(file) and "\0" not in file and not file.startswith(("/", "\\")) \
+            and not PureWindowsPath(file).drive and ".." not in parts
+        if inside:
+            try:
+                real = (index.parent / file).resolve()
+            except (OSError, RuntimeError):  # a symlink loop
+                inside = False
+            else:
+                inside = real.is_relative_to(root) or (blobs is not None and real.is_relative_to(blobs))
+        if not inside:
+            tensor = next(k for k, v in weight_map.items() if v == file)
+            raise ValueError(f"{index}: weight_map puts tensor {tensor!r} in {file!r}, which is not a file "
+                             f"inside the checkpoint directory")
+    return weight_map
+
+
 class SafetensorsSource:
-    """Tensor-by-tensor reader over ``model.safetensors`` or an indexed shard set."""
+    """Tensor-by-tensor reader over ``model.safetensors`` or an indexed shard set.
+
+    The index may only name files inside ``directory`` (see ``_read_index``); a tensor's
+    shape is read from its file header before its data, and data holding NaN or infinity is
+    refused.  Errors name the file and the tensor (``KeyError`` for a missing tensor,
+    ``FileNotFoundError`` for a missing shard, ``ValueError`` for the rest).
+    """
 
     def __init__(self, directory: Path, prefix: str = "model"):
-        self.directory = directory
+        self.directory = directory = Path(directory)
+        self._handles = {}
         index = directory / f"{prefix}.safetensors.index.json"
         single = directory / f"{prefix}.safetensors"
         if index.exists():
-            try:
-                self.weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: malformed safetensors index ({e!r})") from None
+            self.weight_map = _read_index(index)
         elif single.exists():
             self.weight_map = {name: single.name for name in self._open(single).keys()}
         else:
             raise FileNotFoundError(f"{directory}: no {single.name} or {index.name}")
 
     def _open(self, file: Path):
-        if not file.exists():
-            raise FileNotFoundError(f"{file}: shard listed in the index is missing")
-        try:
-            return safe_open(str(file), framework="flax")
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+        if file not in self._handles:
+            if not file.exists():
+                raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+            try:
+                self._handles[file] = safe_open(str(file), framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file}: corrupt or unreadable safetensors file ({e})") from None
+        return self._handles[file]
 
     def names(self):
         return self.weight_map.keys()
 
-    def get(self, name: str) -> jax.Array:
+    def path_of(self, name: str) -> Path:
+        """The file holding tensor ``name`` (``KeyError`` if the checkpoint lacks it)."""
         if name not in self.weight_map:
             raise KeyError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
-        file = self.directory / self.weight_map[name]
+        return self.directory / self.weight_map[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file = self.path_of(name)
         try:
-            return self._open(file).get_tensor(name)
+            return tuple(self._open(file).get_slice(name).get_shape())
         except SafetensorError as e:
             raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
+
+    def get(self, name: str) -> jax.Array:
+        file = self.path_of(name)
+        try:
+            arr = self._open(file).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
+        _check_finite(arr, file, name)
+        return arr
+
+
+class _PickleError(ValueError):
+    """A malformed or out-of-bounds torch checkpoint (raised with the file named)."""
+
+
+class _RefusedPickle(pickle.UnpicklingError, _PickleError):
+    """A pickle asking for a global or storage the checkpoint reader never builds."""
+
+
+class _Storage:
+    """A storage the pickle references (zip entry ``data/<key>``); read when a tensor needs it."""
+
+    __slots__ = ("key", "dtype", "numel")
+
+    def __init__(self, key: str, dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    """A tensor the pickle describes; checked against its storage before it is viewed."""
+
+    __slots__ = ("storage", "offset", "size", "stride")
+
+    def __init__(self, storage, offset, size, stride):
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    return _TensorRef(storage, offset, size, stride)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its memo is a dict: a hostile memo index cannot make it
+    allocate), restricted to what a torch state dict uses: tensor and parameter rebuilds,
+    ordered dicts and typed storages.  Tensors come out as unchecked ``_TensorRef``."""
+
+    _STORAGE_DTYPES = {
+        "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+        "BFloat16Storage": jnp.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
+        "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+    }
+    _GLOBALS = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): lambda tensor, *_: tensor,
+        ("torch._utils", "_rebuild_parameter_with_state"): lambda tensor, *_: tensor,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    }
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, data: bytes, file: Path):
+        super().__init__(io.BytesIO(data))
+        self.file = file
+
+    def find_class(self, module, name):
+        if (module, name) in self._GLOBALS:
+            return self._GLOBALS[module, name]
+        if module == "torch" and name in self._STORAGE_DTYPES:
+            return name
+        raise _RefusedPickle(f"{self.file}: refusing to load global {module}.{name}")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _PickleError(f"{self.file}: malformed storage reference {reprlib.repr(pid)}")
+        _, storage_type, key, _location, numel = pid
+        if not (isinstance(storage_type, str) and storage_type in self._STORAGE_DTYPES):
+            raise _RefusedPickle(f"{self.file}: unsupported storage {reprlib.repr(storage_type)}")
+        if not isinstance(key, str) or not _is_int(numel) or numel < 0:
+            raise _PickleError(f"{self.file}: malformed storage reference {reprlib.repr(pid)}")
+        return _Storage(key, self._STORAGE_DTYPES[storage_type], numel)
+
+    def _load_build(self):  # BUILD only sets the attributes (``_metadata``) of an OrderedDict
+        if len(self.stack) < 2 or type(self.stack[-2]) is not collections.OrderedDict \
+                or type(self.stack[-1]) is not dict:
+            raise _RefusedPickle(f"{self.file}: refusing to set the state of a "
+                                 f"{type(self.stack[-2]).__name__ if len(self.stack) > 1 else 'missing object'}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+class _TorchZip:
+    """One pass over a torch zip checkpoint: its pickle, then the storages its tensors use."""
+
+    def __init__(self, file: Path, zf: zipfile.ZipFile):
+        self.file, self.zf, self.storages, self.names = file, zf, {}, set(zf.namelist())
+        pkl = next((n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise _PickleError(f"{file}: not a torch zip checkpoint (no data.pkl)")
+        self.root = pkl[: -len("data.pkl")]
+        self.budget = MAX_INFLATION * file.stat().st_size + INFLATION_SLACK
+        native = sys.byteorder.encode()
+        order = self.read(self.root + "byteorder", "byte order", limit=16) if self.root + "byteorder" in self.names \
+            else native
+        if order != native:
+            raise _PickleError(f"{file}: byte order {order!r}: only {sys.byteorder}-endian checkpoints are supported")
+        data = self.read(pkl, "the pickle", limit=MAX_PICKLE_BYTES)
+        try:
+            self.obj = _Unpickler(data, file).load()
+        except _PickleError:
+            raise
+        except Exception as e:  # the pickle is untrusted: any failure inside it is a malformed file
+            detail = (f"unknown opcode {e}" if type(e) is KeyError
+                      else "truncated" if isinstance(e, (EOFError, struct.error))
+                      else f"{type(e).__name__}: {str(e)[:200]}")
+            raise _PickleError(f"{file}: malformed data.pkl ({detail})") from None
+
+    def read(self, name: str, what: str, *, size: int | None = None, limit: int | None = None) -> bytes:
+        """Entry ``name``, its declared size checked before it is inflated and its reading bounded."""
+        info = self.zf.getinfo(name)
+        where = f"{self.file}: {what} (zip entry {name!r})"
+        if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise _PickleError(f"{where} is encrypted or uses compression method {info.compress_type}")
+        if size is not None and info.file_size != size:
+            raise _PickleError(f"{where} holds {info.file_size} bytes, the pickle declares {size}")
+        if limit is not None and info.file_size > limit:
+            raise _PickleError(f"{where} holds {info.file_size} bytes, more than the {limit} allowed")
+        self.budget -= info.file_size
+        if self.budget < 0:
+            raise _PickleError(f"{where}: the entries read inflate to more than {MAX_INFLATION}x the "
+                               f"archive's size (a zip bomb?)")
+        try:
+            with self.zf.open(info) as f:
+                data = f.read(info.file_size + 1)  # zipfile stops at the header's size (bad CRC if it lies)
+        except Exception as e:  # BadZipFile, zlib.error, EOFError, ...: a corrupt entry
+            raise _PickleError(f"{where} is corrupt ({type(e).__name__}: {str(e)[:200]})") from None
+        if len(data) != info.file_size:
+            raise _PickleError(f"{where} is corrupt: {len(data)} bytes read, the header says {info.file_size}")
+        return data
+
+    def storage(self, tensor: str, st: _Storage) -> np.ndarray:
+        if st.key in self.storages:
+            dtype, numel, data = self.storages[st.key]
+            if (dtype, numel) != (st.dtype, st.numel):
+                raise _PickleError(f"{self.file}: tensor {tensor!r}: storage {st.key!r} is declared twice "
+                                   f"with different types or sizes")
+            return data
+        name = f"{self.root}data/{st.key}"
+        if name not in self.names:
+            raise _PickleError(f"{self.file}: tensor {tensor!r}: storage {st.key!r} (zip entry {name!r}) is missing")
+        itemsize = np.dtype(st.dtype).itemsize
+        blob = self.read(name, f"tensor {tensor!r}: storage {st.key!r}", size=st.numel * itemsize)
+        data = np.frombuffer(blob, np.uint8) != 0 if st.dtype is np.bool_ else np.frombuffer(blob, st.dtype)
+        self.storages[st.key] = (st.dtype, st.numel, data)
+        return data
+
+    def tensor(self, name: str, ref) -> np.ndarray:
+        """The tensor ``ref`` describes, its size/stride/offset checked against its storage."""
+        where = f"{self.file}: tensor {name!r}"
+        if not isinstance(ref, _TensorRef):
+            raise _PickleError(f"{where} is not a tensor (got {type(ref).__name__})")
+        st, size, stride, offset = ref.storage, ref.size, ref.stride, ref.offset
+        if not isinstance(st, _Storage):
+            raise _PickleError(f"{where} is built on a {type(st).__name__}, not a storage")
+        if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride) <= 32
+                and all(map(_is_int, (*size, *stride, offset)))):
+            raise _PickleError(f"{where}: malformed size/stride/offset {reprlib.repr((size, stride, offset))}")
+        if min((*size, *stride, offset)) < 0:
+            raise _PickleError(f"{where}: negative size, stride or offset {(size, stride, offset)}")
+        count = math.prod(size)
+        if count == 0:
+            if math.prod(n for n in size if n) >= 1 << 31:
+                raise _PickleError(f"{where}: absurd size {size}")
+            return np.zeros(size, self.storage(name, st).dtype)
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if count > st.numel or last >= st.numel:  # checked against the declared size, before reading
+            raise _PickleError(f"{where}: size {size}, stride {stride} and offset {offset} reach "
+                               f"{count} elements up to index {last}, outside storage {st.key!r} of "
+                               f"{st.numel} {np.dtype(st.dtype).name} elements")
+        data = self.storage(name, st)  # its size is checked to be the declared one
+        strides = tuple(s * data.itemsize if n > 1 else 0 for n, s in zip(size, stride))
+        return np.lib.stride_tricks.as_strided(data[offset:], shape=size, strides=strides).copy()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        if not isinstance(self.obj, dict):
+            raise _PickleError(f"{self.file}: expected a state dict, got {type(self.obj).__name__}")
+        out = {}
+        for name, ref in self.obj.items():
+            if not isinstance(name, str):
+                raise _PickleError(f"{self.file}: state-dict key {reprlib.repr(name)} is not a string")
+            out[name] = self.tensor(name, ref)
+        return out
 
 
 class TorchPickleSource:
     """Reads a ``torch.save`` zip checkpoint (``pytorch_model.bin``) *without torch*.
 
-    The unpickler only rebuilds plain tensors and ordered dicts; any other global in
-    the pickle is refused, so a malicious file cannot run code.
+    The file is untrusted input.  Its ``data.pkl`` (at most ``MAX_PICKLE_BYTES``) runs in the
+    pure-Python unpickler restricted to tensors, parameters and ordered dicts: any other
+    global is refused, so a malicious file cannot run code.  Only the zip entries the
+    pickle's tensors reference are read, each once, after checking that its size is the one
+    the pickle declares and that everything read stays within ``MAX_INFLATION`` times the
+    archive's size (plus ``INFLATION_SLACK``); a read never goes past the size the zip header
+    states, so a zip bomb is refused before it is inflated.  Every tensor's size, stride and
+    offset are checked against its storage before it is viewed: no negative values, no
+    element past the storage's end, no more elements than the storage holds.
+
+    Every problem is a ``ValueError`` naming the file (and the tensor or zip entry); a
+    refused global or storage type is also a ``pickle.UnpicklingError``.
     """
 
-    _STORAGE_DTYPES = {
-        "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-        "BFloat16Storage": "bfloat16", "LongStorage": np.int64, "IntStorage": np.int32,
-        "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
-    }
-
     def __init__(self, file: Path):
-        self.file = file
+        self.file = file = Path(file)
         try:
-            with zipfile.ZipFile(file) as zf:
-                pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-                if pkl is None:
-                    raise ValueError(f"{file}: not a torch zip checkpoint (no data.pkl)")
-                root = pkl[: -len("data.pkl")]
-                blobs = {n[len(root) + len("data/"):]: zf.read(n) for n in zf.namelist() if n.startswith(root + "data/")}
-                self.tensors = self._unpickle(zf.read(pkl), blobs)
-        except zipfile.BadZipFile:
-            raise ValueError(f"{file}: corrupt or legacy (non-zip) torch checkpoint") from None
-        if not isinstance(self.tensors, dict):
-            raise ValueError(f"{file}: expected a state dict, got {type(self.tensors).__name__}")
-
-    def _unpickle(self, data: bytes, blobs: dict[str, bytes]):
-        file, dtypes = self.file, self._STORAGE_DTYPES
-
-        def rebuild_tensor(storage, offset, size, stride, *_):
-            itemsize = storage.dtype.itemsize
-            return np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                                   strides=tuple(s * itemsize for s in stride)).copy()
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if (module, name) in {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")}:
-                    return rebuild_tensor
-                if module == "torch._utils" and name == "_rebuild_parameter":
-                    return lambda tensor, *_: tensor
-                if module == "collections" and name == "OrderedDict":
-                    import collections
-
-                    return collections.OrderedDict
-                if module == "torch" and name in dtypes:
-                    return name
-                raise pickle.UnpicklingError(f"{file}: refusing to load global {module}.{name}")
-
-            def persistent_load(self, pid):
-                _, storage_type, key, _location, _numel = pid
-                dtype = dtypes.get(storage_type if isinstance(storage_type, str) else "")
-                if dtype is None:
-                    raise pickle.UnpicklingError(f"{file}: unsupported storage {storage_type!r}")
-                if dtype == "bfloat16":
-                    dtype = jnp.bfloat16
-                return np.frombuffer(blobs[str(key)], dtype=dtype)
-
-        import io
-
-        return Unpickler(io.BytesIO(data)).load()
+            zf = zipfile.ZipFile(file)
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            raise
+        except Exception as e:  # BadZipFile, or the other ways zipfile reports a corrupt directory
+            raise ValueError(f"{file}: corrupt or legacy (non-zip) torch checkpoint "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
+        with zf:
+            self.tensors = _TorchZip(file, zf).state_dict()
 
     def names(self):
         return self.tensors.keys()
 
-    def get(self, name: str) -> jax.Array:
+    def path_of(self, name: str) -> Path:
+        """The file holding tensor ``name`` (``KeyError`` if the checkpoint lacks it)."""
         if name not in self.tensors:
             raise KeyError(f"{self.file}: tensor {name!r} is missing from the checkpoint")
-        return jnp.asarray(self.tensors[name])
+        return self.file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self.path_of(name)
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> jax.Array:
+        self.path_of(name)
+        arr = jnp.asarray(self.tensors[name])
+        _check_finite(arr, self.file, name)
+        return arr
 
 
 def open_weights(directory: Path):
@@ -156,13 +406,35 @@ def open_weights(directory: Path):
 
 
 def _fetch(source, name: str, shape, transpose: bool, dtype, sharding=None):
+    """Weight ``name``: its stored shape checked against ``shape`` (given after the
+    ``[out, in]`` → ``[in, out]`` transpose) before its data is read; then floating point and
+    finite, cast to ``dtype``."""
+    file = source.path_of(name)
+    stored = tuple(source.shape(name))
+    got = stored[::-1] if transpose else stored
+    if shape is not None and got != tuple(shape):
+        note = " (after [out,in]→[in,out])" if transpose else ""
+        raise ValueError(f"{file}: tensor {name!r}: expected shape {tuple(shape)}{note}, got {got}")
     arr = source.get(name)
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(f"{file}: tensor {name!r} has dtype {arr.dtype}; weights must be floating point")
     if transpose:
         arr = arr.T
-    if shape is not None and tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"tensor {name!r}: expected shape {tuple(shape)} (after [out,in]→[in,out]), got {tuple(arr.shape)}")
     arr = arr.astype(dtype)
     return jax.device_put(arr, sharding) if sharding is not None else arr
+
+
+def _fetch_ids(source, name: str, length: int, kinds: str) -> np.ndarray:
+    """Index tensor ``name`` (``d2t`` / ``t2d``): shape ``(length,)`` checked before it is
+    read, dtype kind in ``kinds`` (numpy kind letters)."""
+    file = source.path_of(name)
+    if tuple(source.shape(name)) != (length,):
+        raise ValueError(f"{file}: tensor {name!r} has shape {tuple(source.shape(name))}, expected ({length},)")
+    arr = np.asarray(source.get(name))
+    if arr.dtype.kind not in kinds:
+        raise ValueError(f"{file}: tensor {name!r} has dtype {arr.dtype}, expected "
+                         f"{'integers' if kinds == 'iu' else 'booleans or integers'}")
+    return arr
 
 
 # --------------------------------------------------------------------------- target
@@ -209,6 +481,9 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
     path = Path(path)
     raw = read_config_json(path)
     cfg = TargetConfig.from_dict(raw, source=str(path / "config.json"), capture_layers=capture_layers)
+    if dtype is None and cfg.torch_dtype not in DTYPES:
+        raise ValueError(f"{path / 'config.json'}: key 'torch_dtype' = {cfg.torch_dtype!r} is not one of "
+                         f"{sorted(DTYPES)}; pass dtype= to choose one")
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     source = open_weights(path)
     model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
@@ -249,11 +524,13 @@ _DRAFTER_NAMES = {
 
 def is_drafter_config(raw: dict) -> bool:
     archs = raw.get("architectures") or []
-    return "draft_vocab_size" in raw or any("Eagle" in a for a in archs)
+    archs = archs if isinstance(archs, list) else []
+    return "draft_vocab_size" in raw or any(isinstance(a, str) and "Eagle" in a for a in archs)
 
 
 class _Renamed:
-    """Accepts exports that prefix names with ``model.`` or call the layer ``layers.0``."""
+    """Accepts exports that prefix names with ``model.`` or call the layer ``layers.0``
+    (two stored names for one tensor are refused)."""
 
     def __init__(self, source):
         self.source = source
@@ -261,15 +538,22 @@ class _Renamed:
         for name in source.names():
             canon = name[len("model."):] if name.startswith("model.") else name
             canon = canon.replace("layers.0.", "midlayer.", 1) if canon.startswith("layers.0.") else canon
+            if canon in self.alias:
+                raise ValueError(f"{source.path_of(name)}: tensors {self.alias[canon]!r} and {name!r} "
+                                 f"both name {canon!r}")
             self.alias[canon] = name
 
     def names(self):
         return self.alias.keys()
 
+    def path_of(self, name):  # a name not stored raises the source's "missing tensor" error
+        return self.source.path_of(self.alias.get(name, name))
+
+    def shape(self, name):
+        return self.source.shape(self.alias.get(name, name))
+
     def get(self, name):
-        if name not in self.alias:
-            return self.source.get(name)  # raises the source's "missing tensor" error
-        return self.source.get(self.alias[name])
+        return self.source.get(self.alias.get(name, name))
 
 
 def load_drafter(path, *, target=None, embed=None, dtype=None):
@@ -298,14 +582,15 @@ def load_drafter(path, *, target=None, embed=None, dtype=None):
         embed = target.embed[...]
     elif embed is None:
         raise ValueError(f"{path}: the checkpoint has no embed_tokens.weight; pass target= (or embed=) to share the target's")
-    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"{path}: embedding shape {tuple(embed.shape)} does not match the drafter's "
+    if tuple(jnp.shape(embed)) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"{path}: embedding shape {tuple(jnp.shape(embed))} does not match the drafter's "
                          f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
 
     d2t = None
     if cfg.has_vocab_map:
-        d2t = np.asarray(source.get("d2t")).astype(np.int64)
-        _check_vocab_map(d2t, np.asarray(source.get("t2d")) if "t2d" in source.names() else None, cfg, path)
+        d2t = _fetch_ids(source, "d2t", cfg.draft_vocab_size, "iu").astype(np.int64)
+        t2d = _fetch_ids(source, "t2d", cfg.vocab_size, "biu") if "t2d" in source.names() else None
+        _check_vocab_map(d2t, t2d, cfg, path)
     model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros((cfg.vocab_size, cfg.hidden_size)), dtype=dtype))
     for name, shape in param_shapes(cfg).items():
         hf, transpose = _DRAFTER_NAMES[name]
@@ -343,13 +628,28 @@ def _check_vocab_map(d2t: np.ndarray, t2d, cfg: DrafterConfig, path: Path):
 def save_drafter(drafter, path, *, dtype="float32") -> Path:
     """Writes ``config.json`` + ``model.safetensors`` in the official EAGLE-3 layout
     (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` as PyTorch
-    ``[out, in]`` in ``dtype``, ``d2t`` int64, ``t2d`` bool), loadable by SGLang and vLLM.
-    ``embed_tokens.weight`` is written only when the drafter owns its embedding.
-    """
-    from eagle3_jax.models.drafter import param_shapes
+    ``[out, in]`` in ``dtype``, ``d2t`` int64, ``t2d`` bool), read alike by the official
+    EAGLE code, SGLang and vLLM.
 
+    As in the published EAGLE-3 configs, ``target_hidden_size`` is written only where it
+    differs from ``hidden_size``: the official runtime takes the key to mean that the
+    checkpoint brings its own embedding, and without it loads the target's
+    ``model.embed_tokens.weight`` through the target's ``model.safetensors.index.json``
+    (which :func:`save_target` writes).  So ``embed_tokens.weight`` is shipped when the
+    drafter owns its embedding and whenever ``target_hidden_size`` is written.
+
+    ``path`` is replaced whole and atomically, as described in :func:`save_target`.
+    """
+    from eagle3_jax.models.drafter import Drafter, param_shapes
+
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter: expected an eagle3_jax Drafter (e.g. from load_drafter), got {type(drafter).__name__}")
+    dtype = _save_dtype(dtype)
+    _check_output(path)
     cfg = drafter.config
-    dtype = resolve_dtype(dtype)
+    config = {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name}
+    if cfg.target_hidden_size == cfg.hidden_size:
+        config.pop("target_hidden_size", None)
     tensors = {}
     for name in param_shapes(cfg):
         hf, transpose = _DRAFTER_NAMES[name]
@@ -358,21 +658,50 @@ def save_drafter(drafter, path, *, dtype="float32") -> Path:
     if cfg.has_vocab_map:
         tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)  # numpy: int64 even without jax x64
         tensors["t2d"] = np.asarray(drafter.t2d)
-    if drafter.own_embedding:
+    if drafter.own_embedding or "target_hidden_size" in config:
         tensors["embed_tokens.weight"] = drafter.embed[...].astype(dtype)
-    return _write(path, tensors, {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name})
+    return _write(path, tensors, {"config.json": config})
 
 
-def save_target(target, path, *, dtype="float32", tokenizer=None) -> Path:
-    """Writes a Hugging Face checkpoint (``config.json``, ``model.safetensors`` with
-    ``LlamaForCausalLM`` names, and the tokenizer when given) that both
-    :func:`load_target` and transformers load.  Llama-architecture targets only."""
-    from eagle3_jax.models.target import param_shapes
+def save_target(target, path, *, dtype="float32", tokenizer=None, generation_config: dict | None = None) -> Path:
+    """Writes a Hugging Face checkpoint that :func:`load_target`, transformers and the
+    official EAGLE runtime load: ``config.json``, ``model.safetensors`` with
+    ``LlamaForCausalLM`` names, ``model.safetensors.index.json`` (for a single file too:
+    the official runtime finds the embedding for a drafter without ``target_hidden_size``
+    through it), and the tokenizer and ``generation_config.json`` when given.
+    Llama-architecture targets only.
 
+    Both savers write atomically: the checkpoint is assembled in a fresh directory beside
+    ``path`` (``.NAME.tmp-*``), fsynced, and swapped in whole (one ``renameat2`` exchange
+    on Linux; elsewhere rename aside, rename in, restore on failure).  ``path`` never holds
+    a partial checkpoint, files of another layout (shards and their index,
+    ``pytorch_model.bin``) go with the old directory, and on any failure the previous
+    contents stay as they were.  A writer killed mid-swap may leave the previous version
+    beside ``path`` (``.NAME.old-*``); the next save into ``path`` restores or removes
+    such leftovers.  A ``path`` holding anything but checkpoint files (weights, indexes,
+    configs, tokenizer files) is refused before any tensor is converted, naming the
+    files.  Files get the mode a plain ``open`` gives (umask); a replaced directory keeps
+    its mode.
+    """
+    from eagle3_jax.models.target import Target, param_shapes
+
+    if not isinstance(target, Target):
+        raise TypeError(f"target: expected an eagle3_jax Target (e.g. from load_target), got {type(target).__name__}")
     cfg = target.config
-    if cfg.family != "llama" or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm:
-        raise ValueError(f"save_target writes plain Llama checkpoints; this target is {cfg.family!r}")
-    dtype = resolve_dtype(dtype)
+    if cfg.family != "llama" or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm or cfg.sliding_window:
+        raise ValueError(f"target: save_target writes plain Llama checkpoints; this target is {cfg.family!r}"
+                         + (" with biases, q/k norms or a sliding window" if cfg.family == "llama" else ""))
+    dtype = _save_dtype(dtype)
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"tokenizer: expected a transformers tokenizer (with save_pretrained), got {type(tokenizer).__name__}")
+    if generation_config is not None:
+        if not isinstance(generation_config, dict):
+            raise TypeError(f"generation_config: expected a dict, got {type(generation_config).__name__}")
+        try:
+            json.dumps(generation_config)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"generation_config: not JSON-serialisable ({e})") from None
+    _check_output(path)
     tensors = {}
     for name, shape in param_shapes(cfg).items():
         if shape is None:
@@ -394,20 +723,188 @@ def save_target(target, path, *, dtype="float32", tokenizer=None) -> Path:
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
         "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": jnp.dtype(dtype).name,
     }
-    path = _write(path, tensors, config)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+    if cfg.rope.rope_type != "default":  # without it, transformers would rotate unscaled
+        config["rope_scaling"] = {"rope_type": cfg.rope.rope_type, "factor": cfg.rope.factor}
+        if cfg.rope.rope_type == "llama3":
+            config["rope_scaling"].update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor,
+                                          original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+    files = {"config.json": config}
+    if generation_config is not None:
+        files["generation_config.json"] = generation_config
+    return _write(path, tensors, files, index=True,
+                  extra=None if tokenizer is None else lambda d: tokenizer.save_pretrained(str(d)))
+
+
+# The files a checkpoint directory may hold (our layout, sharded and torch layouts, tokenizer
+# files): saving replaces them together; anything else in the directory makes a save refuse.
+_CHECKPOINT_FILES = {
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "model.safetensors.tmp", "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+    "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+}
+_SHARD = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
+
+
+def _save_dtype(dtype):
+    msg = f"dtype={dtype!r}: expected one of {sorted(DTYPES)}"
+    try:
+        resolved = resolve_dtype(dtype)
+    except TypeError:
+        raise TypeError(msg) from None
+    except ValueError:
+        raise ValueError(msg) from None
+    if jnp.dtype(resolved).name not in DTYPES:
+        raise ValueError(msg)
+    return resolved
+
+
+def _check_output(path) -> Path:
+    """The export directory ``path`` (symlinks followed), checked before any work: a path,
+    not a file, a writable existing ancestor, and no files other than checkpoint files."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise TypeError(f"path: expected a directory path (str or os.PathLike), got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError("path: empty; expected a directory path")
+    path = Path(os.path.realpath(path))
+    if path.parent == path:
+        raise ValueError(f"path: {path} is the file-system root; cannot replace it")
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path}: exists and is not a directory (path must name a checkpoint directory)")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{ancestor}: is not a directory, so {path} cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise PermissionError(f"{ancestor}: not writable, so {path} cannot be written")
+    if path.is_dir():
+        foreign = sorted(p.name for p in path.iterdir()
+                         if not (p.is_file() and (p.name in _CHECKPOINT_FILES or _SHARD.fullmatch(p.name))))
+        if foreign:
+            raise FileExistsError(f"{path}: holds files that are not checkpoint files ({', '.join(foreign)}); saving "
+                                  "replaces the directory whole, so move them away or save to another path")
     return path
 
 
-def _write(path, tensors: dict, config: dict) -> Path:
-    """``model.safetensors`` (written atomically: never a half-written checkpoint) + ``config.json``."""
+def _write(path, tensors: dict, jsons: dict[str, dict], *, index: bool = False, extra=None) -> Path:
+    """Assembles ``model.safetensors`` (+ its index), the ``jsons`` and whatever ``extra(dir)``
+    writes in a fresh directory beside ``path``, fsyncs it and swaps it in whole."""
     from safetensors.numpy import save_file
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
-    save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
+    given, path = Path(path), _check_output(path)
+    tmp = _sibling(path, "tmp")
+    try:
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True)
+        _recover(path)
+        tmp.mkdir()
+        if extra is not None:
+            extra(tmp)
+        arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
+        save_file(arrays, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if index:
+            jsons = {**jsons, "model.safetensors.index.json": {
+                "metadata": {"total_size": sum(a.nbytes for a in arrays.values())},
+                "weight_map": {k: "model.safetensors" for k in sorted(arrays)}}}
+        for name, obj in jsons.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+        mode = (tmp / "config.json").stat().st_mode & 0o777  # what open() gave: umask applied
+        for f in tmp.iterdir():
+            os.chmod(f, mode)  # safetensors writes 0600
+            _fsync(f)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        _fsync(tmp)
+        _swap_in(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SafetensorError):
+            code = re.search(r"os error (\d+)", str(e))
+            e = OSError(*((int(code.group(1)),) if code else ()), str(e))
+        if isinstance(e, OSError):
+            why = e.strerror or str(e)
+            raise OSError(*((e.errno,) if e.errno else ()), f"{path}: writing the checkpoint failed ({why}); "
+                          f"{path} was left as it was") from e
+        raise
+    return given
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _fsync(path: Path):
+    if path.is_dir() and os.name != "posix":
+        return  # directories cannot be opened for fsync there
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: Path, path: Path):
+    """Puts ``tmp`` at ``path`` in one step; the old ``path`` is then deleted."""
+    if not path.exists():
+        os.rename(tmp, path)
+        old = None
+    elif _exchange(tmp, path):
+        old = tmp
+    else:
+        old = _sibling(path, "old")
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+    try:  # best effort: the new checkpoint is in place
+        _fsync(path.parent)
+    except OSError:
+        pass
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two directories (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    the platform or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _recover(path: Path):
+    """Cleans up after writers into ``path`` that were killed: puts a previous version that
+    was moved aside back if ``path`` is missing, and removes their temporary directories."""
+    mine = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)-[0-9a-f]+")
+    found = sorted((m.group(1) == "tmp", p) for p in path.parent.iterdir()
+                   if (m := mine.fullmatch(p.name)) and not _alive(int(m.group(2))))
+    for _, p in found:  # "old" first
+        if p.name.startswith(f".{path.name}.old-") and not path.exists():
+            os.rename(p, path)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:  # this process counts: another thread may be saving
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

@@ -192,12 +192,20 @@ def _cmd_bench(args) -> int:
         prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts or 4)]
     trees = args.tree or [parse_tree(t) for t in (builtin.BENCH_TREES if is_builtin else ["60,7,10"])]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
-    parts: dict = {}
-    reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=args.max_new_tokens, temperature=t,
-                         top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
-                         repeats=args.repeats, grade=grade, parts=parts) for t in temperatures]
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
-           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "reports": reports}
+           "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+    if args.cost:
+        doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
+                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}))
+        write_atomic(json_path, json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {json_path}")
+        return 0
+    parts: dict = {}
+    reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
+                         top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
+                         repeats=args.repeats, grade=grade, parts=parts)
+               for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens]) for t in temperatures]
+    doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
     try:
         write_atomic(json_path, text)
@@ -209,6 +217,23 @@ def _cmd_bench(args) -> int:
     write_figure(reports, figure_path)
     print(f"wrote {json_path} and {figure_path}")
     return 0
+
+
+def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
+    """Where a step's and a round's time goes (see ``eagle3_jax.cost``), printed and returned."""
+    from eagle3_jax import cost
+    from eagle3_jax.bench import tree_name
+
+    print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots):")
+    by_slots = {s: cost.step_ms(target, 1, s) for s in (256, 1024, 4096, 16384)}
+    by_batch = {b: cost.step_ms(target, b, 256) for b in (1, 8, 32)}
+    print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
+          + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
+    print("  batch  " + "  ".join(f"{b}: {ms:.2f}" for b, ms in by_batch.items())
+          + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
+    print(f"decode loop, one request, {tree_name(tree)}:")
+    loops = [cost.loop_report(target, drafter, prompt, tree, m, batch=b) for b in batches for m in max_news]
+    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "loops": loops}
 
 
 def _figure_formats() -> list[str]:
@@ -372,6 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench.json", help="write the report here (missing directories are created)")
     bench.add_argument("--figure", default="bench.png", help="write the figure here (.png, .pdf, .svg, ...; missing "
                                                              "directories are created)")
+    bench.add_argument("--max-new-tokens-sweep", type=_number(int, "max-new-tokens-sweep", lo=1), nargs="+",
+                       metavar="N", help="one report per value (the cache grows with it), instead of --max-new-tokens")
+    bench.add_argument("--cost", action="store_true",
+                       help="report where the time goes instead: decode_step by cache size and batch, and the decode "
+                            "loop's parts and cache copies per --max-new-tokens-sweep value (default 64 440)")
     bench.set_defaults(func=_cmd_bench)
 
     train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")

@@ -129,3 +129,49 @@ def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
         while stack:
             close(stack.pop())
     return {k: v / repeats for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def step_ms(target, batch: int, slots: int, live: int = 33, calls: int = 30) -> float:
+    """Median milliseconds of ``target.decode_step`` at ``batch`` sequences of ``live``
+    committed tokens in a cache of ``slots`` slots (the live length is held fixed)."""
+    import time
+
+    from eagle3_jax.kv_cache import KVCache
+
+    _, _, cache = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)
+    tokens = np.ones((batch,), np.int32)
+    times = []
+    for i in range(calls + 3):
+        start = time.perf_counter()
+        logits, _, cache = target.decode_step(cache, tokens)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - start)
+        cache = KVCache(cache.k, cache.v, cache.lengths - 1)
+    return 1e3 * float(np.median(times[3:]))
+
+
+def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1, log=print) -> dict:
+    """One request (``prompt`` repeated ``batch`` times) through the compiled decode loop,
+    vanilla and speculative: ms per step / round, the round's parts (profiler), and the
+    cache-sized copies XLA left inside the loop."""
+    from eagle3_jax.decode import compile_generate
+
+    out = {"max_new_tokens": max_new_tokens, "batch": batch}
+    for mode, d in (("vanilla", None), ("eagle3", drafter)):
+        compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
+        toks, n_out, accept = jax.block_until_ready(compiled(*args))
+        rounds = int((np.asarray(accept)[0] >= 0).sum())
+        parts = profile_parts(compiled, *args, repeats=3)
+        cfg = target.config
+        max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
+        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(target.dtype).itemsize
+        ops = cache_ops(compiled.as_text(), layer_bytes)
+        loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
+        round_us = {k: v / max(rounds, 1) for k, v in parts.items()}
+        out[mode] = {"rounds": rounds, "tokens": int(np.asarray(n_out)[0]), "cache_slots": max_len,
+                     "us_per_round": round_us, "loop_cache_copies": len(loop_copies),
+                     "in_place_updates": len([o for o in ops["in_place"] if o[3] != "ENTRY"])}
+        shown = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in round_us.items())
+        log(f"  {mode:7s} max_new={max_new_tokens} batch={batch} cache={max_len} slots: {rounds} rounds, ms/round: "
+            f"{shown}; cache-sized copies in the loop: {len(loop_copies)}")
+    return out

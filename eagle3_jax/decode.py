@@ -102,8 +102,9 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
     stops = _stop_array(stop_ids)
     bidx = jnp.arange(prompt_BxT.shape[0])
     max_rounds = max_new
-    st = _prefill(target, drafter, prompt_BxT, lengths_B, key, max_len=max_len, max_new=max_new, stops=stops,
-                  sampling=sampling)
+    with jax.named_scope("prefill"):
+        st = _prefill(target, drafter, prompt_BxT, lengths_B, key, max_len=max_len, max_new=max_new, stops=stops,
+                      sampling=sampling)
 
     def vanilla_round(st: _State) -> _State:
         with jax.named_scope("step"):

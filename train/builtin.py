@@ -166,8 +166,8 @@ def train_target(work: Path, recipe: Recipe, tok):
 def export_target(model, tok, path: Path):
     from eagle3_jax.checkpoint import save_target
 
-    save_target(model, path, dtype="bfloat16", tokenizer=tok)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id, "do_sample": False}) + "\n")
+    save_target(model, path, dtype="bfloat16", tokenizer=tok,
+                generation_config={"eos_token_id": tok.eos_token_id, "do_sample": False})
 
 
 # ------------------------------------------------------------------ drafter
