@@ -6,7 +6,6 @@ greedy token identity is checked on every prompt.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
 import time
@@ -30,68 +29,60 @@ def parse_tree(spec: str) -> TreeConfig:
     return TreeConfig(n, d, k)
 
 
-def load_prompts(path: str | Path, tokenizer=None) -> list[list[int]]:
-    """Prompts from a JSON file: a list of token-id lists, or of strings (needs a tokenizer)."""
+def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list[int]]:
+    """Prompts from a JSON file: a list of token-id lists (each id in ``[0, vocab_size)``),
+    or of strings (needs a tokenizer); errors name the file and the prompt."""
+    from eagle3_jax.decode import prompt_rows
+
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read prompts ({e})") from None
     if not isinstance(data, list) or not data:
         raise ValueError(f"{path}: expected a non-empty JSON list of prompts")
-    if isinstance(data[0], str):
-        if tokenizer is None:
-            raise ValueError(f"{path}: text prompts need a tokenizer (tokenizer.json in the target directory)")
-        return [tokenizer.encode(p) for p in data]
-    return [list(map(int, p)) for p in data]
+    if any(isinstance(p, str) for p in data) and tokenizer is None:
+        raise ValueError(f"{path}: text prompts need a tokenizer (tokenizer.json in the target directory)")
+    try:
+        return [row.tolist() for row in prompt_rows([p for p in data], vocab_size, tokenizer)]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
-def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, calls: int = 20) -> dict:
-    """Milliseconds of one round's parts after prefilling ``prompt``: ``draft`` (the tree
-    expansion, ``depth + 1`` drafter calls) and ``verify`` (the target's tree forward + the
-    acceptance walk).  Each part runs ``calls`` times inside one jitted loop (no dispatch
-    overhead, as in the decode loop); every call consumes the previous call's output, so
-    the compiler cannot hoist it out of the loop."""
-    from flax import nnx
+def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new_tokens: int = 256,
+                batch_size: int = 1, repeats: int = 3) -> dict:
+    """Milliseconds per round of the speculative round and its parts, inside the compiled
+    decode loop on ``prompt`` (repeated ``batch_size`` times).
 
-    from eagle3_jax.decode import _bucket, _prefill, _stop_array
-    from eagle3_jax.tree import expand
-    from eagle3_jax.verify import SamplingConfig, verify
+    ``round_ms`` is wall clock: (the whole loop − the same program's prefill alone) / rounds,
+    each the fastest of ``repeats``.  The parts split it by their shares of the loop's op time
+    under the profiler (``eagle3_jax.cost.profile_parts``): ``draft`` (tree expansion),
+    ``verify`` (the target's tree forward + the acceptance walk), ``catch_up`` (the drafter on
+    the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
+    (the loop's own bookkeeping)."""
+    from eagle3_jax.cost import profile_parts
+    from eagle3_jax.decode import compile_generate
 
-    T = _bucket(len(prompt))
-    ids = jnp.zeros((1, T), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt, jnp.int32))
-    sampling = SamplingConfig()
-    st = nnx.jit(lambda t, d, ids: _prefill(t, d, ids, jnp.array([len(prompt)]), jax.random.key(0), max_len=T + tree.scratch,
-                                            max_new=1, stops=_stop_array(()), sampling=sampling))(target, drafter, ids)
-    tr = nnx.jit(lambda d, st: expand(d, st.dcache, st.last_hidden, st.root, tree))(drafter, st)
+    def fastest(max_new):
+        compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new, tree=tree)
+        out = jax.block_until_ready(compiled(*args))
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            seconds.append(time.perf_counter() - start)
+        return min(seconds), out, compiled, args
 
-    @nnx.jit
-    def draft_loop(d, st):
-        def body(_, root):
-            return root + _zero_from(expand(d, st.dcache, st.last_hidden, root, tree))
-        return jax.lax.fori_loop(0, calls, body, st.root)
-
-    @nnx.jit
-    def verify_loop(t, st, tr):
-        def body(_, tokens):
-            logits, _, _ = t(tokens, st.tcache.lengths[:, None] + tr.depth, cache=st.tcache, region_mask_BxTxR=tr.mask)
-            out = verify(dataclasses.replace(tr, tokens=tokens), logits, st.key, sampling, tree.top_k)
-            return tokens + _zero_from(out)[:, None]
-        return jax.lax.fori_loop(0, calls, body, tr.tokens)
-
-    def ms(fn, *args):
-        jax.block_until_ready(fn(*args))  # compile
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return 1e3 * (time.perf_counter() - start) / calls
-
-    return {"draft_ms": ms(draft_loop, drafter, st), "verify_ms": ms(verify_loop, target, st, tr)}
-
-
-def _zero_from(outputs) -> jax.Array:
-    """A ``[B]`` zero that depends on every output (so none of the work is dead code)."""
-    total = sum(x.reshape(x.shape[0], -1).astype(jnp.int32).sum(1) for x in jax.tree.leaves(outputs))
-    return jnp.where(total == -(2 ** 31) + 7, 1, 0)
+    full_s, (_, _, accept), compiled, args = fastest(max_new_tokens)
+    prefill_s = fastest(1)[0]
+    rounds = max(int((accept[0] >= 0).sum()), 1)
+    us = profile_parts(compiled, *args, repeats=repeats)
+    us["loop"] = us.pop("other", 0.0)
+    names = ("draft", "verify", "catch_up", "commit", "emit", "loop")
+    total = sum(us.get(n, 0.0) for n in names) or 1.0
+    out = {"round_ms": 1e3 * max(full_s - prefill_s, 0.0) / rounds}
+    out.update({f"{n}_ms": out["round_ms"] * us.get(n, 0.0) / total for n in names})
+    return out
 
 
 def peak_memory() -> dict:
@@ -109,7 +100,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
-    ``parts`` caches :func:`round_parts` per tree across calls (e.g. one per temperature).
+    ``parts`` caches :func:`round_parts` per tree (and length and batch) across calls (e.g. one per temperature).
     """
     parts = {} if parts is None else parts
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -141,13 +132,15 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         acc = [a for st in stats for row in st["accept_lengths"] for a in row]
         rounds = len(acc)
         tau, rate = acceptance(acc, tree.path_len - 1)
-        if tree not in parts:  # the parts do not depend on the sampling settings: measured once per tree
-            parts[tree] = round_parts(target, drafter, prompts[0], tree)
+        key = (tree, max_new_tokens, batch_size)
+        if key not in parts:  # independent of the sampling settings
+            parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
+                                     batch_size=batch_size)
         entry = {
             "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
             "tokens": n, "seconds": s, "tokens_per_second": n / s, "speedup": (n / s) / (n_base / base_s),
             "tau": tau, "rounds": rounds, "acceptance_rate": rate,
-            "round_ms": 1e3 * s / max(rounds, 1), **parts[tree], "accuracy": accuracy(tokens),
+            "wall_ms_per_round": 1e3 * s / max(rounds, 1), **parts[key], "accuracy": accuracy(tokens),
             "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
         }
         if grade is not None and temperature > 0:  # two-proportion z: |z| < 2 is agreement within noise
@@ -157,7 +150,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         report["eagle3"].append(entry)
         log(f"[T={temperature}] eagle3 {tree_name(tree)}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
             f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, round {entry['round_ms']:.2f} ms "
-            f"(draft {parts[tree]['draft_ms']:.2f}, verify {parts[tree]['verify_ms']:.2f})"
+            f"(draft {entry['draft_ms']:.2f}, verify {entry['verify_ms']:.2f}, catch-up {entry['catch_up_ms']:.2f}, "
+            f"commit {entry['commit_ms']:.2f}, rest {entry['emit_ms'] + entry['loop_ms']:.2f}; "
+            f"{entry['round_ms'] / (entry['draft_ms'] + entry['verify_ms']):.2f}x draft + verify)"
             + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
     report["peak_memory"] = peak_memory()
@@ -180,7 +175,7 @@ def write_figure(reports: list[dict], path: str | Path):
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = [e["tree"]["name"] for e in reports[0]["eagle3"]]
     width = 0.8 / len(reports)
-    sweep = len({rep["settings"]["max_new_tokens"] for rep in reports}) > 1
+    sweep = len({rep["settings"].get("max_new_tokens") for rep in reports}) > 1
     for j, rep in enumerate(reports):
         x = [i + j * width for i in range(len(names))]
         label = f"T={rep['settings']['temperature']}" + (f", max {rep['settings']['max_new_tokens']}" if sweep else "")

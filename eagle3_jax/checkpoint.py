@@ -759,6 +759,31 @@ def _save_dtype(dtype):
     return resolved
 
 
+def check_output_path(path, name: str, *, directory: bool = False) -> Path:
+    """Checks, before any long work, that ``path`` (a file, or with ``directory`` a
+    directory) can be written: an existing one must be of that kind and writable, else its
+    nearest existing parent must be a writable directory (missing parents are created when
+    the output is written).  Raises ``NotADirectoryError`` / ``IsADirectoryError`` /
+    ``PermissionError`` naming ``name`` and the path."""
+    path = Path(path)
+    if path.exists():
+        if directory and not path.is_dir():
+            raise NotADirectoryError(f"{name} {path}: exists and is not a directory")
+        if not directory and path.is_dir():
+            raise IsADirectoryError(f"{name} {path}: is a directory, expected a file path")
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{name} {path}: not writable")
+        return path
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{name} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{name} {path}: cannot create it in {parent} (not writable)")
+    return path
+
+
 def _check_output(path) -> Path:
     """The export directory ``path`` (symlinks followed), checked before any work: a path,
     not a file, a writable existing ancestor, and no files other than checkpoint files."""
@@ -769,15 +794,7 @@ def _check_output(path) -> Path:
     path = Path(os.path.realpath(path))
     if path.parent == path:
         raise ValueError(f"path: {path} is the file-system root; cannot replace it")
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{path}: exists and is not a directory (path must name a checkpoint directory)")
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise NotADirectoryError(f"{ancestor}: is not a directory, so {path} cannot be created")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise PermissionError(f"{ancestor}: not writable, so {path} cannot be written")
+    check_output_path(path, "path", directory=True)
     if path.is_dir():
         foreign = sorted(p.name for p in path.iterdir()
                          if not (p.is_file() and (p.name in _CHECKPOINT_FILES or _SHARD.fullmatch(p.name))))

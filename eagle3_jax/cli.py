@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pickle
 import sys
 import zipfile
 from pathlib import Path
 
-from eagle3_jax.checkpoint import DTYPES
+from eagle3_jax.checkpoint import DTYPES, check_output_path
 from eagle3_jax.layers import ATTENTION_IMPLS
 
 # errors a user's input can cause: one line on stderr, exit 2 (--debug: the traceback)
@@ -178,7 +177,7 @@ def _cmd_bench(args) -> int:
     grade = None
     if args.prompts:
         try:
-            prompts = load_prompts(args.prompts, tok)
+            prompts = load_prompts(args.prompts, target.config.vocab_size, tok)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e) if str(args.prompts) in str(e) else f"--prompts {args.prompts}: {e}") from None
     elif is_builtin:
@@ -240,31 +239,6 @@ def _figure_formats() -> list[str]:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return sorted(FigureCanvasBase.get_supported_filetypes())
-
-
-def check_output_path(path, name: str, *, directory: bool = False) -> Path:
-    """Checks, before any long work, that ``path`` (a file, or with ``directory`` a
-    directory) can be written: an existing one must be of that kind and writable, else its
-    nearest existing parent must be a writable directory (missing parents are created when
-    the output is written).  Raises ``NotADirectoryError`` / ``IsADirectoryError`` /
-    ``PermissionError`` naming ``name`` and the path."""
-    path = Path(path)
-    if path.exists():
-        if directory and not path.is_dir():
-            raise NotADirectoryError(f"{name} {path}: exists and is not a directory")
-        if not directory and path.is_dir():
-            raise IsADirectoryError(f"{name} {path}: is a directory, expected a file path")
-        if not os.access(path, os.W_OK):
-            raise PermissionError(f"{name} {path}: not writable")
-        return path
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"{name} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"{name} {path}: cannot create it in {parent} (not writable)")
-    return path
 
 
 def write_atomic(path: Path, text: str):

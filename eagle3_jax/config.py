@@ -71,31 +71,25 @@ def _float(d: dict, key: str, source: str, default=_REQUIRED, *, dicts=None) -> 
     return float(value)
 
 
-def _bool(d: dict, key: str, source: str, default: bool) -> bool:
+def _typed(d: dict, key: str, source: str, kind: type, what: str, default):
     value = d.get(key)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise ValueError(f"{source}: key {key!r} must be true or false, got {_show(value)}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{source}: key {key!r} must be {what}, got {_show(value)}")
     return value
+
+
+def _bool(d: dict, key: str, source: str, default: bool) -> bool:
+    return _typed(d, key, source, bool, "true or false", default)
 
 
 def _dict(d: dict, key: str, source: str) -> dict:
-    value = d.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{source}: key {key!r} must be an object, got {_show(value)}")
-    return value
+    return _typed(d, key, source, dict, "an object", {})
 
 
 def _str(d: dict, key: str, source: str, default: str | None) -> str | None:
-    value = d.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise ValueError(f"{source}: key {key!r} must be a string, got {_show(value)}")
-    return value
+    return _typed(d, key, source, str, "a string", default)
 
 
 def _layer_ids(value, what: str, num_layers: int = MAX_LAYERS, exc=ValueError, note: str = ""):

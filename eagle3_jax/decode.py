@@ -218,8 +218,9 @@ def _float_arg(name: str, value) -> float:
     return float(value)
 
 
-def _token_rows(prompts, tokenizer, vocab_size: int) -> list[np.ndarray]:
-    """One int64 array per prompt, from the containers ``generate`` accepts."""
+def prompt_rows(prompts, vocab_size: int, tokenizer=None) -> list[np.ndarray]:
+    """One int64 array per prompt, from the containers ``generate`` accepts (see there);
+    ``TypeError`` / ``ValueError`` naming ``prompts[i]`` otherwise."""
     if isinstance(prompts, str):
         prompts = [prompts]
     elif isinstance(prompts, (np.ndarray, jax.Array)):
@@ -289,7 +290,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
     elif _is_int(stop_token_ids) or isinstance(stop_token_ids, (str, bytes)):
         raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
     stops = [_int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
-    seqs = _token_rows(prompts, tokenizer, vocab)
+    seqs = prompt_rows(prompts, vocab, tokenizer)
     if drafter is not None:
         if drafter.config.vocab_size != vocab or drafter.config.target_hidden_size != target.config.hidden_size:
             raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")

@@ -76,9 +76,9 @@ def attention_ref(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
 
 
 # Cache slots per step of the prefix walk: large enough that the loop's per-step cost is
-# small next to its work, small enough that a short prefix reads little past its end.
-PREFIX_BLOCK = 256
-_FEW_ROWS = 8
+# small next to its work, small enough that a short prefix reads little past its end
+# (`eagle3-jax bench --cost` on 2 CPU cores: 64 beat 128 and 256 at batch 32, tied at batch 1).
+PREFIX_BLOCK = 64
 
 
 def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, region_mask_BxTxR, *,
@@ -104,16 +104,8 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
         v_reg = jnp.concatenate([region_kv[1], v_reg.astype(region_kv[1].dtype)], 1)
     mask_BxTxR = region_mask_BxTxR[..., : k_reg.shape[1]]
 
-    # A few query rows per KV head (decode): broadcast-multiply-reduce, which XLA fuses into
-    # one pass over the keys for the whole batch, instead of B·K tiny matrix products.
-    few_rows = T * (N // K) <= _FEW_ROWS
-
     def scores(k_BxSxKxD, visible):  # visible broadcasts to [B, K, G, T, S]
-        if few_rows:
-            s = (q_BxTxKxGxD.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(jnp.float32)
-                 * k_BxSxKxD.transpose(0, 2, 1, 3)[:, :, None, None].astype(jnp.float32)).sum(-1)
-        else:
-            s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
         return jnp.where(visible, s * scale, -jnp.inf)
 
     def update(state, s_BxKxGxTxS, v_BxSxKxD):
@@ -122,10 +114,7 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s_BxKxGxTxS - m_safe)
-        if few_rows:
-            pv = (p[..., None] * v_BxSxKxD.transpose(0, 2, 1, 3)[:, :, None, None].astype(jnp.float32)).sum(-2)
-        else:
-            pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(-1, keepdims=True), alpha * acc + pv
 
     G = N // K

@@ -101,3 +101,14 @@ def test_prompt_containers_mean_the_same_prompts(pair):
     one = decode._prepare(target, None, [np.int64(5), 6, 7], max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
                           tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
     assert one.prompt_BxT.shape[0] == 1 and one.lengths_B.tolist() == [3]
+
+
+def test_compile_cache_is_bounded(pair, monkeypatch):
+    """Each new max_new_tokens compiles a program; only the most recently used are kept."""
+    target, _ = pair
+    monkeypatch.setattr(decode, "COMPILE_CACHE_SIZE", 2)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    for n in (3, 4, 5, 4):
+        eagle3_jax.generate(target, None, OK, max_new_tokens=n)
+    assert len(decode._COMPILED) == 2
+    assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 4]  # 3 evicted, 4 most recent

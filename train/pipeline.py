@@ -240,7 +240,7 @@ def check(cfg: dict, steps) -> None:
     (``config.json``; ``draft_vocab_size`` and ``seq_len`` against it), the tokenizer, the
     data, the files earlier steps left in ``work_dir`` (unless a step of this run makes
     them), ``drafter.init``, and that ``work_dir`` / ``export_dir`` can be written."""
-    from eagle3_jax.cli import check_output_path
+    from eagle3_jax.checkpoint import check_output_path
 
     def need(key: str, why: str) -> Path:
         if not cfg.get(key):
