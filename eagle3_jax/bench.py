@@ -73,7 +73,8 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
             seconds.append(time.perf_counter() - start)
         return min(seconds), out, compiled, args
 
-    full_s, (_, _, accept), compiled, args = fastest(max_new_tokens)
+    full_s, res, compiled, args = fastest(max_new_tokens)
+    accept = res["accept"]
     prefill_s = fastest(1)[0]
     rounds = max(int((accept[0] >= 0).sum()), 1)
     us = profile_parts(compiled, *args, repeats=repeats)
@@ -95,11 +96,12 @@ def peak_memory() -> dict:
 
 def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, batch_size: int = 1, seed: int = 0, repeats: int = 3,
-              grade=None, parts: dict | None = None, log=print) -> dict:
+              grade=None, parts: dict | None = None, generate_kw: dict | None = None, log=print) -> dict:
     """Runs vanilla and EAGLE-3 per tree budget on the same prompts (each timed as the
     fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
+    ``generate_kw``: further ``generate`` arguments for both modes (e.g. the thinking budget);
     ``parts`` caches :func:`round_parts` per tree (and length and batch) across calls (e.g. one per temperature).
     """
     parts = {} if parts is None else parts
@@ -109,7 +111,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         tokens, seconds, stats = [], 0.0, []
         for i in range(0, len(prompts), batch_size):
             runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, tree=tree,
-                             **sampling) for _ in range(repeats)]
+                             **sampling, **(generate_kw or {})) for _ in range(repeats)]
             tokens += runs[0].tokens
             seconds += min(r.stats["seconds"] for r in runs)
             stats.append(runs[0].stats)
@@ -120,7 +122,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
 
     base_tokens, base_s, _ = run(None, TreeConfig())
     n_base = sum(map(len, base_tokens))
-    report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts),
+    thinking = {k: v for k, v in (generate_kw or {}).items() if k.startswith("thinking")}
+    report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
                            "repeats": repeats, **sampling},
               "vanilla": {"tokens": n_base, "seconds": base_s, "tokens_per_second": n_base / base_s,
                           "accuracy": accuracy(base_tokens)}, "eagle3": []}

@@ -127,7 +127,7 @@ def _cmd_generate(args) -> int:
         prompts = [_encode(tok, text, args.raw)]
     tree = args.tree or parse_tree(builtin.DEFAULT_TREE if is_builtin else "60,7,10")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, tree=tree)
+              seed=args.seed, tree=tree, **_thinking_kw(args, tok))
 
     def timed(drafter_):  # the faster of two runs (same seed, same output): compilation and warm-up excluded
         return min((eagle3_jax.generate(target, drafter_, prompts, **kw) for _ in range(2)),
@@ -141,6 +141,9 @@ def _cmd_generate(args) -> int:
         thinking, answer = builtin.split_response(tok.decode(out, skip_special_tokens=True))
         print(f"Thinking:\n{thinking}\n\nAnswer:\n{answer}" if thinking else answer)
     st = res.stats
+    if res.thinking_status[0] != "none":
+        print(f"\n[thinking: {res.thinking_tokens[0]} tokens, {res.thinking_status[0]}; answer: {res.answer_tokens[0]} "
+              f"tokens; finish: {res.finish_reason[0]}]")
     if drafter is None:
         print(f"\n[{st['new_tokens']} tokens, {st['tokens_per_second']:.1f} tok/s, vanilla]")
         return 0
@@ -154,6 +157,14 @@ def _cmd_generate(args) -> int:
             line += f"; identical to vanilla: {base.tokens == res.tokens}"
     print(line + "]")
     return 0
+
+
+def _thinking_kw(args, tok) -> dict:
+    """generate's thinking arguments from the flags (the tokenizer names <think>/</think>)."""
+    if args.thinking_budget is not None and tok is None:
+        raise ValueError("--thinking-budget needs a tokenizer with <think> and </think> (the target directory has none)")
+    return dict(tokenizer=tok, thinking_budget=args.thinking_budget, thinking_mode=args.thinking_mode,
+                thinking_grace=args.thinking_grace)
 
 
 def _cmd_bench(args) -> int:
@@ -202,7 +213,7 @@ def _cmd_bench(args) -> int:
     parts: dict = {}
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
-                         repeats=args.repeats, grade=grade, parts=parts)
+                         repeats=args.repeats, grade=grade, parts=parts, generate_kw=_thinking_kw(args, tok))
                for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
@@ -326,6 +337,13 @@ def _common(p):
     p.add_argument("--top-p", type=_number(float, "top-p", lo=0.0, hi=1.0, lo_open=True), default=1.0,
                    help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=_number(int, "top-k", lo=0), default=0, help="0: no top-k")
+    p.add_argument("--thinking-budget", type=_number(int, "thinking-budget", lo=0), default=None, metavar="B",
+                   help="thinking tokens allowed before the end of thinking is forced (default: unlimited; needs a "
+                        "tokenizer with <think>/</think>)")
+    p.add_argument("--thinking-mode", choices=("hard", "soft"), default="hard",
+                   help="hard: force at B; soft: the model may close by itself within --thinking-grace more tokens")
+    p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
+                   help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
 

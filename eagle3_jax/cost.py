@@ -159,7 +159,8 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
     out = {"max_new_tokens": max_new_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
         compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
-        toks, n_out, accept = jax.block_until_ready(compiled(*args))
+        res = jax.block_until_ready(compiled(*args))
+        n_out, accept = res["n_out"], res["accept"]
         rounds = int((np.asarray(accept)[0] >= 0).sum())
         parts = profile_parts(compiled, *args, repeats=3)
         cfg = target.config

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import kv_cache
+from eagle3_jax import budget, kv_cache
 from eagle3_jax.models.target import check_token_ids
-from eagle3_jax.tree import TreeConfig, expand
+from eagle3_jax.tree import TreeConfig, expand, forced_chain
 from eagle3_jax.verify import SamplingConfig, sample, verify
 
 
@@ -31,12 +31,22 @@ class GenerateResult:
     round, per sequence), ``tau`` (mean over rounds of accepted + 1), ``acceptance_rate``
     (per draft position i: P(position i accepted | positions < i accepted)),
     ``proposed`` / ``accepted`` / ``committed`` token counts, ``new_tokens``,
-    ``seconds`` and ``tokens_per_second`` (wall clock, compilation excluded).
+    ``forced_rounds``, ``seconds`` and ``tokens_per_second`` (wall clock, compilation
+    excluded); with a thinking phase, ``phases`` holds the round statistics and committed
+    tokens of the ``thinking`` and ``answer`` phases (they sum to the totals).
+
+    Per sequence: ``thinking_tokens`` / ``answer_tokens`` (summing to its length),
+    ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
+    | ``budget_exhausted`` | ``incomplete``).
     """
 
     tokens: list[list[int]]
     stats: dict
     texts: list[str] | None = None
+    thinking_tokens: list[int] = dataclasses.field(default_factory=list)
+    answer_tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: list[str] = dataclasses.field(default_factory=list)
+    thinking_status: list[str] = dataclasses.field(default_factory=list)
 
 
 @jax.tree_util.register_dataclass
@@ -49,13 +59,29 @@ class _State:
     out: jax.Array  # [B, max_new]
     n_out: jax.Array  # [B]
     done: jax.Array  # [B]
-    accept: jax.Array  # [B, max_rounds] accepted draft tokens per round (-1 = no round)
+    accept: jax.Array  # [B, max_rounds] accepted draft tokens per round (-1 = no round, -2 = a forced round)
     step: jax.Array  # scalar round counter
     key: jax.Array
+    think: "_Think | None" = None
 
 
-def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int) -> _State:
-    """Appends ``new[:, :count]`` to the output, truncating at a stop token or max_new."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Think:
+    """The thinking budget's per-sequence state (see ``eagle3_jax.budget``)."""
+
+    budget: jax.Array  # [B] thinking-content tokens allowed (-1 = unlimited)
+    phase: jax.Array  # [B] BEFORE / THINKING / AFTER
+    content: jax.Array  # [B] committed thinking-content tokens (what the budget counts)
+    thinking: jax.Array  # [B] committed thinking tokens (reported)
+    force: jax.Array  # [B] index in E of the next forced token to emit, -1 when not forcing
+    forced: jax.Array  # [B] the budget forced the end of thinking
+    round_thinking: jax.Array  # [B, max_rounds] the round's first committed token is thinking
+
+
+def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int, thinking=None, round_index=None) -> _State:
+    """Appends ``new[:, :count]`` to the output, truncating at a stop token or max_new, and
+    counts the appended tokens' thinking phase (``round_index``: the round they belong to)."""
     P = new_BxP.shape[1]
     j = jnp.arange(P)[None]
     is_stop = jnp.isin(new_BxP, stop_ids) & (j < count_B[:, None])
@@ -67,10 +93,38 @@ def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int) -> _State:
     out = st.out.at[jnp.arange(new_BxP.shape[0])[:, None], slots].set(new_BxP, mode="drop")
     n_out = st.n_out + n
     done = st.done | (has_stop & (first_stop <= n)) | (n_out >= max_new)
-    return dataclasses.replace(st, out=out, n_out=n_out, done=done)
+    think = st.think
+    if thinking is not None:
+        phase, content, count, first = budget.account(new_BxP, n, think.phase, think.content, think.thinking, thinking)
+        think = dataclasses.replace(think, phase=phase, content=content, thinking=count)
+        if round_index is not None:
+            think = dataclasses.replace(think, round_thinking=think.round_thinking.at[:, round_index].set(first & (n > 0)))
+    return dataclasses.replace(st, out=out, n_out=n_out, done=done, think=think)
 
 
-def _prefill(target, drafter, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int, stops, sampling) -> _State:
+def _end_ids(thinking: budget.ThinkingConfig):
+    return jnp.asarray(thinking.end_ids, jnp.int32)
+
+
+def _budget_cut(think: _Think, cand_BxP, count_B, active_B, prev_B, thinking: budget.ThinkingConfig):
+    """Applies the budget to a round's candidate tokens (``prev``: the token emitted before
+    them): ``(keep_B, hit_B, token_B, force_B)`` — the candidates kept, whether the next one
+    is replaced, the end-of-thinking token replacing it (``E[1]`` when the thought already
+    ends with ``E[0]``, e.g. a newline) and the forcing index afterwards."""
+    keep, hit = budget.cut(cand_BxP, count_B, think.phase, think.content, think.budget, think.force >= 0, thinking)
+    hit = hit & active_B
+    end = _end_ids(thinking)
+    m = len(thinking.end_ids)
+    last = jnp.where(keep > 0, jnp.take_along_axis(cand_BxP, jnp.maximum(keep - 1, 0)[:, None], 1)[:, 0], prev_B)
+    skip = (last == end[0]) & (m > 1)
+    first = jnp.where(skip, 1, 0)
+    token = end[first]
+    force = jnp.where(first + 1 < m, first + 1, -1)
+    return keep, hit, token, jnp.where(hit, force, think.force)
+
+
+def _prefill(target, drafter, prompt_BxT, lengths_B, key, think0, *, max_len: int, max_new: int, stops, sampling,
+             thinking) -> _State:
     """Runs the prompts through the target (and the drafter) and emits the first token."""
     B, T = prompt_BxT.shape
     bidx = jnp.arange(B)
@@ -79,6 +133,11 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key, *, max_len: int, max_n
     tcache = kv_cache.advance(tcache, lengths_B)
     key, sub = jax.random.split(key)
     first = sample(sub, logits[bidx, lengths_B - 1], sampling)
+    if thinking is not None:  # B = 0 on a prompt that opens thinking: the first token is already E[0]
+        _, hit, token, force = _budget_cut(think0, first[:, None], jnp.ones((B,), jnp.int32), jnp.ones((B,), bool),
+                                           prompt_BxT[bidx, lengths_B - 1], thinking)
+        first = jnp.where(hit, token, first)
+        think0 = dataclasses.replace(think0, force=force, forced=hit)
     dcache = last_hidden = None
     if drafter is not None:
         # drafter position j pairs the feature at j with token j+1 (the first token is the root)
@@ -87,24 +146,34 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key, *, max_len: int, max_n
         dcache = kv_cache.advance(dcache, lengths_B)
         last_hidden = dout[bidx, lengths_B - 1]
     st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, max_new), jnp.int32), jnp.zeros((B,), jnp.int32),
-                jnp.zeros((B,), bool), jnp.full((B, max_new), -1, jnp.int32), jnp.int32(0), key)  # ≤ one round per token
-    return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new)
+                jnp.zeros((B,), bool), jnp.full((B, max_new), -1, jnp.int32), jnp.int32(0), key,  # ≤ one round per token
+                think0)
+    return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new, thinking)
 
 
 def _stop_array(stop_ids: tuple[int, ...]):
     return jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
 
-def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len: int, max_new: int,
-         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None):
+def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, *, max_len: int, max_new: int,
+         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None,
+         thinking: budget.ThinkingConfig | None):
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     stops = _stop_array(stop_ids)
-    bidx = jnp.arange(prompt_BxT.shape[0])
+    B = prompt_BxT.shape[0]
+    bidx = jnp.arange(B)
     max_rounds = max_new
+    think0 = None
+    if thinking is not None:
+        zeros = jnp.zeros((B,), jnp.int32)
+        think0 = _Think(budget_B, phase_B, zeros, zeros, jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), bool),
+                        jnp.zeros((B, max_rounds), bool))
+        end_ids = _end_ids(thinking)
+        m = len(thinking.end_ids)
     with jax.named_scope("prefill"):
-        st = _prefill(target, drafter, prompt_BxT, lengths_B, key, max_len=max_len, max_new=max_new, stops=stops,
-                      sampling=sampling)
+        st = _prefill(target, drafter, prompt_BxT, lengths_B, key, think0, max_len=max_len, max_new=max_new,
+                      stops=stops, sampling=sampling, thinking=thinking)
 
     def vanilla_round(st: _State) -> _State:
         with jax.named_scope("step"):
@@ -113,40 +182,69 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
             nxt = sample(sub, logits[:, 0], sampling)
         with jax.named_scope("emit"):
             active = ~st.done
+            think, forcing = st.think, jnp.zeros((B,), bool)
+            if thinking is not None:
+                forcing = active & (think.force >= 0)
+                nxt = jnp.where(forcing, end_ids[jnp.maximum(think.force, 0)], nxt)
+                force = jnp.where(forcing, jnp.where(think.force + 1 < m, think.force + 1, -1), think.force)
+                _, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), nxt[:, None],
+                                                   active.astype(jnp.int32), active & ~forcing, st.root, thinking)
+                nxt = jnp.where(hit, token, nxt)
+                think = dataclasses.replace(think, force=force, forced=think.forced | hit)
             st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
-                                     root=jnp.where(active, nxt, st.root), key=key,
-                                     accept=st.accept.at[:, st.step].set(jnp.where(active, 0, -1)))
-            return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new)
+                                     root=jnp.where(active, nxt, st.root), key=key, think=think,
+                                     accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, 0), -1)))
+            return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new, thinking, st.step)
 
     def spec_round(st: _State) -> _State:
+        active = ~st.done
+        think, forcing = st.think, jnp.zeros((B,), bool)
         with jax.named_scope("draft"):
             t = expand(drafter, st.dcache, st.last_hidden, st.root, tree)
+            if thinking is not None:  # sequences forcing E commit it as a chain instead of a draft
+                forcing = active & (think.force >= 0)
+                F = min(tree.total_tokens, tree.path_len) - 1
+                start = jnp.maximum(think.force, 0)
+                ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
+                n_forced = jnp.clip(m - start, 0, F)
+                chain = forced_chain(st.root, ids, n_forced, tree)
+                t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
         with jax.named_scope("verify"):
             logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
                                            region_mask_BxTxR=t.mask)
             key, sub = jax.random.split(st.key)
-            path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k)
-        active = ~st.done
-        count = jnp.where(active, accepted + 1, 0)
+            path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k, force_B=forcing)
         node = jnp.maximum(path, 0)
+        nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
+        drafted = jnp.take_along_axis(t.tokens, nxt_node, 1)  # the accepted draft token after each node
+        if thinking is not None:
+            done_forcing = start + n_forced >= m
+            bonus = jnp.where(forcing & ~done_forcing, end_ids[jnp.minimum(start + n_forced, m - 1)], bonus)
+            force = jnp.where(forcing, jnp.where(~done_forcing & (start + n_forced + 1 < m), start + n_forced + 1, -1),
+                              think.force)
+            cand = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None], drafted, bonus[:, None])
+            keep, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), cand, accepted + 1,
+                                                  active & ~forcing, st.root, thinking)
+            accepted = jnp.where(hit, keep, accepted)
+            bonus = jnp.where(hit, token, bonus)
+            think = dataclasses.replace(think, force=force, forced=think.forced | hit)
+        count = jnp.where(active, accepted + 1, 0)
         with jax.named_scope("commit"):
             tcache = kv_cache.commit(tcache, node, count)
         with jax.named_scope("catch_up"):
             # token following each committed node: the next accepted draft token, then the bonus
-            nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
-            new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None],
-                            jnp.take_along_axis(t.tokens, nxt_node, 1), bonus[:, None])
+            new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None], drafted, bonus[:, None])
             # the drafter consumes the committed nodes' target features (from the tree pass)
             dfeats = jnp.take_along_axis(feats, node[..., None], 1)
             dpos = st.dcache.lengths[:, None] + jnp.arange(node.shape[1])[None]
             dout, dcache = drafter(dfeats, new, dpos, cache=st.dcache)
         with jax.named_scope("emit"):
             st2 = dataclasses.replace(
-                st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key,
+                st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key, think=think,
                 root=jnp.where(active, bonus, st.root),
                 last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
-                accept=st.accept.at[:, st.step].set(jnp.where(active, accepted, -1)))
-            return _emit(st2, new, count, stops, max_new)
+                accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, accepted), -1)))
+            return _emit(st2, new, count, stops, max_new, thinking, st.step)
 
     body = vanilla_round if drafter is None else spec_round
 
@@ -154,10 +252,15 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, *, max_len:
         return dataclasses.replace(body(st), step=st.step + 1)
 
     st = jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < max_rounds), step, st)
-    return st.out, st.n_out, st.accept
+    out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
+    if thinking is not None:
+        out.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
+                   round_thinking=st.think.round_thinking)
+    return out
 
 
-_run_jit = jax.jit(_run, static_argnums=(0, 2), static_argnames=("max_len", "max_new", "stop_ids", "sampling", "tree"))
+_run_jit = jax.jit(_run, static_argnums=(0, 2),
+                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "tree", "thinking"))
 
 
 # Compiled loops, least recently used first.  Each holds its executable (and its
@@ -174,9 +277,10 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
         _COMPILED.move_to_end(cache_key)
     else:
         spec = jax.ShapeDtypeStruct
+        batch = spec(prompt_shape[:1], jnp.int32)
         _COMPILED[cache_key] = _run_jit.lower(
-            tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), spec(prompt_shape[:1], jnp.int32),
-            jax.random.key(0), **dict(kw)).compile()
+            tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
+            **dict(kw)).compile()
         while len(_COMPILED) > COMPILE_CACHE_SIZE:
             _COMPILED.popitem(last=False)
     return _COMPILED[cache_key]
@@ -269,10 +373,59 @@ class _Request:
     lengths_B: np.ndarray
     kw: tuple
     seed: int
+    budget_B: np.ndarray  # thinking-content tokens allowed per sequence, -1 = unlimited
+    phase_B: np.ndarray  # the thinking phase after each prompt
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return dict(self.kw)["stop_ids"]
+
+    @property
+    def thinking(self) -> budget.ThinkingConfig | None:
+        return dict(self.kw)["thinking"]
+
+
+def _thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, vocab: int):
+    """The static thinking setup from explicit ids or the tokenizer's ``<think>``/``</think>``,
+    or ``None`` when neither names them."""
+    if think_token_ids is None and tokenizer is not None:
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if all(_is_int(i) and i != unk for i in ids):
+            think_token_ids = tuple(ids)
+    if think_token_ids is None:
+        return None
+    if isinstance(think_token_ids, (str, bytes)) or not hasattr(think_token_ids, "__len__") or len(think_token_ids) != 2:
+        raise TypeError(f"think_token_ids must be (open_id, close_id), got {think_token_ids!r}")
+    open_id, close_id = (_int_arg(f"think_token_ids[{i}]", x, 0, vocab) for i, x in enumerate(think_token_ids))
+    if end_thinking_ids is None:
+        newline = tokenizer.encode("\n", add_special_tokens=False) if tokenizer is not None else []
+        end_thinking_ids = (*newline, close_id) if len(newline) == 1 else (close_id,)
+    elif _is_int(end_thinking_ids) or isinstance(end_thinking_ids, (str, bytes)) or not len(end_thinking_ids):
+        raise TypeError(f"end_thinking_ids must be a non-empty sequence of token ids, got {end_thinking_ids!r}")
+    end = tuple(_int_arg(f"end_thinking_ids[{i}]", x, 0, vocab) for i, x in enumerate(end_thinking_ids))
+    if not isinstance(mode, str):
+        raise TypeError(f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
+    grace = _int_arg("thinking_grace", grace, 0)
+    return budget.ThinkingConfig(open_id, close_id, end, mode, grace if mode == "soft" else 0)
+
+
+def _budgets(thinking_budget, n: int) -> np.ndarray:
+    if thinking_budget is None or _is_int(thinking_budget):
+        values = [thinking_budget] * n
+    elif isinstance(thinking_budget, (str, bytes)) or not hasattr(thinking_budget, "__len__"):
+        raise TypeError(f"thinking_budget must be None, an int or one value per prompt, got {thinking_budget!r}")
+    else:
+        values = list(thinking_budget)
+        if len(values) != n:
+            raise ValueError(f"thinking_budget: {len(values)} values for {n} prompts")
+    return np.array([-1 if v is None else _int_arg(f"thinking_budget[{i}]", v, 0, 2 ** 31) for i, v in enumerate(values)],
+                    np.int32)
 
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
-             tokenizer) -> _Request:
+             tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
+             end_thinking_ids=None) -> _Request:
     vocab = target.config.vocab_size
     max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
     temperature = _float_arg("temperature", temperature)
@@ -309,58 +462,111 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
         prompt[i, : s.size] = s
     lengths = np.array([s.size for s in seqs], np.int32)
     stop_ids = tuple(sorted(set(target.config.eos_token_ids) | set(stops)))
+    thinking = _thinking_config(tokenizer, think_token_ids, end_thinking_ids, thinking_mode, thinking_grace, vocab)
+    budgets = _budgets(thinking_budget, len(seqs))
+    if thinking is None and (budgets >= 0).any():
+        raise ValueError("thinking_budget needs the think-open/close tokens: pass think_token_ids=(open, close) or a "
+                         "tokenizer with <think> and </think>")
+    phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
-              sampling=SamplingConfig(temperature, top_p, top_k), tree=tree if drafter is not None else None)
-    return _Request(prompt, lengths, tuple(kw.items()), seed)
+              sampling=SamplingConfig(temperature, top_p, top_k), tree=tree if drafter is not None else None,
+              thinking=thinking)
+    return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase)
+
+
+_THINKING_DOC = """
+      thinking_budget: the thinking budget B, counted in committed thinking tokens: ``None``
+        (unlimited), an int, or one value per prompt (``None`` entries unlimited).  At B the
+        end-of-thinking sequence is committed as if generated and the answer follows.
+      thinking_mode: ``"hard"`` (force at B) or ``"soft"`` (the model may close by itself
+        within ``thinking_grace`` more tokens; force at B + grace).
+      think_token_ids: ``(open_id, close_id)``; default: the tokenizer's ``<think>`` /
+        ``</think>``.  Without either, no thinking phase is tracked.
+      end_thinking_ids: the forced end-of-thinking sequence (must contain the close id);
+        default: a newline then the close token.
+"""
 
 
 def compile_generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                      top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
-                     stop_token_ids: Sequence[int] | None = None, tokenizer=None):
+                     stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
+                     thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None, end_thinking_ids=None):
     """The compiled decode loop ``generate`` would run for these arguments, and its inputs:
-    ``(compiled, args)`` with ``compiled(*args) -> (out_BxN, n_out_B, accept_BxR)``.  For
-    inspecting the program (``compiled.as_text()``, ``eagle3_jax.cost``)."""
-    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                   top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids, tokenizer=tokenizer)
+    ``(compiled, args)`` with ``compiled(*args)`` a dict of arrays (``out``, ``n_out``,
+    ``accept``, and the thinking state when tracked).  For inspecting the program
+    (``compiled.as_text()``, ``eagle3_jax.cost``)."""
+    compiled, args, _ = _compile(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
+                                 tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
+                                 thinking_grace=thinking_grace, think_token_ids=think_token_ids,
+                                 end_thinking_ids=end_thinking_ids)
+    return compiled, args
+
+
+def _compile(target, drafter, prompts, **kw):
+    req = _prepare(target, drafter, prompts, **kw)
     tgraph, tstate = nnx.split(target)
     dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
     compiled = _compiled(tgraph, dgraph, req.prompt_BxT.shape, req.kw, tstate, dstate)
-    return compiled, (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed))
+    args = (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed),
+            jnp.asarray(req.budget_B), jnp.asarray(req.phase_B))
+    return compiled, args, req
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
-             stop_token_ids: Sequence[int] | None = None, tokenizer=None) -> GenerateResult:
+             stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
+             thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None,
+             end_thinking_ids=None) -> GenerateResult:
     """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
 
-    Greedy output is token-identical to the target's own greedy decoding; with
-    ``temperature > 0`` every token is distributed exactly as sampling the target
-    (after top-k / top-p).  Stops at ``max_new_tokens``, the target's EOS ids and
-    ``stop_token_ids``, counting committed tokens only.
+    Greedy output is token-identical to the target's own greedy decoding under the same
+    thinking budget; with ``temperature > 0`` every token is distributed exactly as sampling
+    the target (after top-k / top-p).  Stops at ``max_new_tokens``, the target's EOS ids and
+    ``stop_token_ids``; budgets and stops count committed tokens only.
 
     Args:
       prompts: one prompt (a list/tuple of token ids, a 1-D numpy or jax array, or a string
         with ``tokenizer``), a list of such prompts, or a 2-D integer array (one row per prompt).
-      max_new_tokens: the most tokens generated per prompt (>= 1).
+      max_new_tokens: the most tokens generated per prompt (>= 1), thinking included.
       temperature: 0 for greedy, else >= ``MIN_TEMPERATURE``; ``top_p`` in (0, 1], ``top_k``
         >= 0 (0 = off).
       tree: the draft tree budget (``TreeConfig``); ignored without a drafter.
       seed: the sampling seed, in [0, 2**32).
-      stop_token_ids: token ids that end a sequence, besides the target's EOS ids.
+      stop_token_ids: token ids that end a sequence, besides the target's EOS ids.{thinking}
+    Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
+    ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
+    | ``budget_exhausted`` | ``incomplete``); ``stats["phases"]`` splits the round statistics
+    by the phase of each round's first committed token.
 
     Raises ``TypeError`` / ``ValueError`` naming the argument for malformed input.
     """
-    compiled, args = compile_generate(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
-                                      tokenizer=tokenizer)
+    compiled, args, req = _compile(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
+                                   tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
+                                   thinking_grace=thinking_grace, think_token_ids=think_token_ids,
+                                   end_thinking_ids=end_thinking_ids)
     start = time.perf_counter()
-    out, n_out, accept = jax.block_until_ready(compiled(*args))
+    res = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
-    out, n_out, accept = np.asarray(out), np.asarray(n_out), np.asarray(accept)
-    tokens = [out[b, : n_out[b]].tolist() for b in range(out.shape[0])]
-    stats = _stats(accept, n_out, seconds, None if drafter is None else tree)
+    res = {k: np.asarray(v) for k, v in res.items()}
+    n_out = res["n_out"]
+    tokens = [res["out"][b, : n_out[b]].tolist() for b in range(n_out.shape[0])]
+    stats = _stats(res, seconds, None if drafter is None else tree)
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
-    return GenerateResult(tokens, stats, texts)
+    stops = set(req.stop_ids)
+    finish = ["stop" if t and t[-1] in stops else "length" for t in tokens]
+    if req.thinking is not None:
+        thinking = res["thinking"].tolist()
+        status = [budget.status(int(ph), bool(fo), th > 0 or p0 == budget.THINKING)
+                  for ph, fo, th, p0 in zip(res["phase"], res["forced"], thinking, req.phase_B)]
+    else:
+        thinking, status = [0] * len(tokens), ["none"] * len(tokens)
+    answer = [len(t) - th for t, th in zip(tokens, thinking)]
+    return GenerateResult(tokens, stats, texts, thinking, answer, finish, status)
+
+
+generate.__doc__ = generate.__doc__.replace("{thinking}", _THINKING_DOC.rstrip() + "\n")
 
 
 def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
@@ -371,20 +577,39 @@ def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
     return (float((flat + 1).mean()) if flat.size else 0.0), rate
 
 
-def _stats(accept_BxR, n_out_B, seconds: float, tree: TreeConfig | None) -> dict:
-    rounds = (accept_BxR >= 0).sum(1)
-    acc = [row[row >= 0].tolist() for row in accept_BxR]
+def _round_stats(accept_BxR, rounds_mask_BxR, tree: TreeConfig | None) -> dict:
+    acc = [row[m & (row >= 0)].tolist() for row, m in zip(accept_BxR, rounds_mask_BxR)]
+    rounds = [len(a) for a in acc]
     tau, rate = acceptance([a for row in acc for a in row], 0 if tree is None else tree.path_len - 1)
-    new_tokens = int(n_out_B.sum())
     return {
-        "rounds": rounds.tolist(),
+        "rounds": rounds,
         "accept_lengths": acc,
         "tau": tau,
         "acceptance_rate": rate,
-        "proposed": int(rounds.sum() * (tree.total_tokens - 1)) if tree is not None else 0,
+        "proposed": int(sum(rounds) * (tree.total_tokens - 1)) if tree is not None else 0,
         "accepted": int(sum(map(sum, acc))),
+    }
+
+
+def _stats(res: dict, seconds: float, tree: TreeConfig | None) -> dict:
+    """Round statistics (drafted rounds only: a round that committed forced end-of-thinking
+    tokens is counted in ``forced_rounds``), and per thinking phase when tracked."""
+    accept, n_out = res["accept"], res["n_out"]
+    new_tokens = int(n_out.sum())
+    stats = _round_stats(accept, np.ones_like(accept, bool), tree)
+    stats.update({
+        "forced_rounds": int((accept == -2).sum()),
         "committed": new_tokens,
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
-    }
+    })
+    if "round_thinking" in res:
+        rt, thinking = res["round_thinking"], res["thinking"]
+        stats["phases"] = {
+            "thinking": {**_round_stats(accept, rt, tree), "committed": int(thinking.sum()),
+                         "forced_rounds": int(((accept == -2) & rt).sum())},
+            "answer": {**_round_stats(accept, ~rt, tree), "committed": int(new_tokens - thinking.sum()),
+                       "forced_rounds": int(((accept == -2) & ~rt).sum())},
+        }
+    return stats

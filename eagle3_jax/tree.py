@@ -147,3 +147,18 @@ def children_table(parents_N, max_children: int):
     rank = earlier_sibling.sum(-1)
     table = jnp.full((N, max_children), -1, jnp.int32)
     return table.at[jnp.where(parents_N >= 0, parents_N, N), rank].set(nodes, mode="drop")
+
+
+def forced_chain(root_B, ids_BxF, n_B, cfg: TreeConfig) -> Tree:
+    """A tree of ``cfg``'s static shape holding the chain ``root → ids[:n]`` (``n <= F =
+    min(total_tokens, path_len) - 1``); the remaining nodes hang off the root, after the chain's
+    first node, so a walk that accepts the chain never visits them.  Used to commit forced
+    tokens (the end-of-thinking sequence) through the same verify and commit as a draft."""
+    N, P = cfg.total_tokens, cfg.path_len
+    B, F = ids_BxF.shape
+    nodes = jnp.arange(1, N)[None]
+    in_chain = nodes <= n_B[:, None]
+    idx = jnp.clip(nodes - 1, 0, F - 1)
+    tokens = jnp.concatenate([root_B[:, None], jnp.where(in_chain, jnp.take_along_axis(ids_BxF, jnp.broadcast_to(idx, (B, N - 1)), 1), 0)], 1)
+    parents = jnp.concatenate([jnp.full((B, 1), -1), jnp.where(in_chain, nodes - 1, 0)], 1).astype(jnp.int32)
+    return jax.vmap(lambda t, p: _structure(t, p, P))(tokens.astype(jnp.int32), parents)

@@ -62,12 +62,14 @@ def sample(key, logits_BxV, s: SamplingConfig):
     return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
-def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int):
+def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int, force_B=None):
     """Walks the tree against the target's logits at every node.
 
     Returns ``(path_BxP, accepted_B, bonus_B)``: the accepted node ids root first
     (``-1`` padded), the number of accepted draft tokens, and the bonus token drawn at
-    the last accepted node.
+    the last accepted node.  Where ``force_B`` is true every child is accepted (its first
+    child at each level: a forced chain, see ``tree.forced_chain``); the bonus is still
+    drawn from the target at the chain's end.
     """
     B, N = tree.tokens.shape
     P = tree.paths.shape[-1]
@@ -82,6 +84,8 @@ def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int):
         p_child = jnp.take_along_axis(probs, child_tok, axis=2)
         key, sub = jax.random.split(key)
         u = jax.random.uniform(sub, (B, P, max_children))
+    if force_B is not None:
+        p_child = jnp.where(force_B[:, None, None], 1.0, p_child)
     path, accepted, last = jax.vmap(_walk)(children, p_child, u)
 
     last_children = jnp.take_along_axis(children, last[:, None, None], 1)[:, 0]  # [B, K]

@@ -96,8 +96,7 @@ def test_decode_loop_copies_no_cache(tree, monkeypatch):
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
     compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]], max_new_tokens=40,
                                              tree=tree or TreeConfig())
-    out, n_out, _ = compiled(*args)
-    assert int(n_out[0]) > 0
+    assert int(compiled(*args)["n_out"][0]) > 0
     cfg = target.config
     max_len = 32 + 40 + (tree.scratch if tree else 1)
     layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4

@@ -186,24 +186,20 @@ def train_drafter(work: Path, recipe: Recipe, overrides=()):
 
 
 # ------------------------------------------------------------------ evaluation
-def answer_with_budget(target, tok, tasks: list[dict], budget: int | None, max_new_tokens: int = 256) -> list[str]:
-    """Greedy responses when thinking may use at most ``budget`` tokens (None: unlimited):
-    past the budget, ``</think>`` is forced and the model answers from what it has."""
+def answer_with_budget(target, tok, tasks: list[dict], budget: int | None, max_new_tokens: int = 256,
+                       drafter=None, tree=None) -> list[str]:
+    """Greedy responses when thinking may use at most ``budget`` tokens after ``<think>\n``
+    (None: unlimited): at the budget the decode loop commits the end of thinking and the model
+    answers from what it has (``eagle3_jax.generate(thinking_budget=...)``, hard mode).  The
+    loop also counts the newline this format always writes after ``<think>``, hence ``+ 1``:
+    the recipe's figures keep their meaning across versions."""
     from eagle3_jax.decode import encode_chat, generate
 
     prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
-    if budget is None:
-        return [tok.decode(t) for t in generate(target, None, prompts, max_new_tokens=max_new_tokens).tokens]
-    opened = [p + tok.encode(builtin.THINK_OPEN + "\n") for p in prompts]
-    thoughts = generate(target, None, opened, max_new_tokens=budget).tokens if budget else [[] for _ in prompts]
-    forced = []
-    for t in thoughts:
-        text = tok.decode(t)
-        forced.append(t if builtin.THINK_CLOSE in text else
-                      t + tok.encode(("" if text.endswith("\n") or not text else "\n") + builtin.THINK_CLOSE + "\n"))
-    finals = generate(target, None, [o + f for o, f in zip(opened, forced)], max_new_tokens=24).tokens
-    return [builtin.THINK_OPEN + "\n" + tok.decode(f if tok.eos_token_id in t else f + final)
-            for t, f, final in zip(thoughts, forced, finals)]
+    kw = {} if tree is None else {"tree": tree}
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tokenizer=tok,
+                   thinking_budget=None if budget is None else budget + 1, **kw)
+    return [tok.decode(t) for t in res.tokens]
 
 
 EVAL_TREES = ("chain4", "chain6", "16,4,4")
