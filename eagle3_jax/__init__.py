@@ -13,12 +13,14 @@ from eagle3_jax.config import DrafterConfig, RopeConfig, TargetConfig
 from eagle3_jax.decode import GenerateResult, generate
 from eagle3_jax.models.drafter import Drafter
 from eagle3_jax.models.target import Target
+from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
 from eagle3_jax.verify import SamplingConfig
 from eagle3_jax.vocab import build_vocab_map
 
 __all__ = [
-    "Drafter", "DrafterConfig", "GenerateResult", "RopeConfig", "SamplingConfig", "Target", "TargetConfig",
+    "Drafter", "DrafterConfig", "GenerateResult", "RopeConfig", "SamplingConfig", "Speculation", "Target",
+    "TargetConfig",
     "TreeConfig", "build_vocab_map", "generate", "load_drafter", "load_target", "save_drafter",
     "save_target",
 ]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.decode import acceptance, generate
+from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
 
@@ -97,7 +98,8 @@ def peak_memory() -> dict:
 def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, batch_size: int = 1, seed: int = 0, repeats: int = 3,
               grade=None, parts: dict | None = None, generate_kw: dict | None = None, log=print) -> dict:
-    """Runs vanilla and EAGLE-3 per tree budget on the same prompts (each timed as the
+    """Runs vanilla and EAGLE-3 per tree budget (a ``TreeConfig``, or a ``Speculation`` of
+    tiers with its policy, reported as ``adaptive``) on the same prompts (each timed as the
     fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
@@ -110,8 +112,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     def run(drafter_, tree):
         tokens, seconds, stats = [], 0.0, []
         for i in range(0, len(prompts), batch_size):
-            runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, tree=tree,
-                             **sampling, **(generate_kw or {})) for _ in range(repeats)]
+            runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
+                             speculation=tree, **sampling, **(generate_kw or {})) for _ in range(repeats)]
             tokens += runs[0].tokens
             seconds += min(r.stats["seconds"] for r in runs)
             stats.append(runs[0].stats)
@@ -120,7 +122,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     def accuracy(tokens):
         return None if grade is None else sum(grade(i, t) for i, t in enumerate(tokens)) / len(tokens)
 
-    base_tokens, base_s, _ = run(None, TreeConfig())
+    base_tokens, base_s, _ = run(None, None)
     n_base = sum(map(len, base_tokens))
     thinking = {k: v for k, v in (generate_kw or {}).items() if k.startswith("thinking")}
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
@@ -134,16 +136,18 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         n = sum(map(len, tokens))
         acc = [a for st in stats for row in st["accept_lengths"] for a in row]
         rounds = len(acc)
-        tau, rate = acceptance(acc, tree.path_len - 1)
+        adaptive = isinstance(tree, Speculation)
+        tau, rate = acceptance(acc, tree.positions if adaptive else tree.path_len - 1)
         key = (tree, max_new_tokens, batch_size)
-        if key not in parts:  # independent of the sampling settings
+        if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)
         entry = {
-            "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
+            "tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
+                    {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
             "tokens": n, "seconds": s, "tokens_per_second": n / s, "speedup": (n / s) / (n_base / base_s),
             "tau": tau, "rounds": rounds, "acceptance_rate": rate,
-            "wall_ms_per_round": 1e3 * s / max(rounds, 1), **parts[key], "accuracy": accuracy(tokens),
+            "wall_ms_per_round": 1e3 * s / max(rounds, 1), **parts.get(key, {}), "accuracy": accuracy(tokens),
             "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
         }
         if grade is not None and temperature > 0:  # two-proportion z: |z| < 2 is agreement within noise
@@ -151,20 +155,27 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             se = (2 * p * (1 - p) / len(prompts)) ** 0.5
             entry["accuracy_z"] = 0.0 if se == 0 else (entry["accuracy"] - report["vanilla"]["accuracy"]) / se
         report["eagle3"].append(entry)
-        log(f"[T={temperature}] eagle3 {tree_name(tree)}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
-            f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, round {entry['round_ms']:.2f} ms "
-            f"(draft {entry['draft_ms']:.2f}, verify {entry['verify_ms']:.2f}, catch-up {entry['catch_up_ms']:.2f}, "
-            f"commit {entry['commit_ms']:.2f}, rest {entry['emit_ms'] + entry['loop_ms']:.2f}; "
-            f"{entry['round_ms'] / (entry['draft_ms'] + entry['verify_ms']):.2f}x draft + verify)"
+        if adaptive:
+            counts: dict = {}
+            for st in stats:
+                for name, c in st["tier_rounds"].items():
+                    counts[name] = counts.get(name, 0) + c
+            entry["tier_rounds"] = counts
+            detail = f"rounds per tier {counts}"
+        else:
+            detail = (f"round {entry['round_ms']:.2f} ms (draft {entry['draft_ms']:.2f}, verify {entry['verify_ms']:.2f}, "
+                      f"catch-up {entry['catch_up_ms']:.2f}, commit {entry['commit_ms']:.2f}, rest "
+                      f"{entry['emit_ms'] + entry['loop_ms']:.2f}; "
+                      f"{entry['round_ms'] / (entry['draft_ms'] + entry['verify_ms']):.2f}x draft + verify)")
+        log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
+            f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, {detail}"
             + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
     report["peak_memory"] = peak_memory()
     return report
 
 
-def tree_name(tree: TreeConfig) -> str:
-    return f"chain{tree.total_tokens - 1}" if tree.top_k == 1 and tree.total_tokens == tree.path_len else \
-        f"{tree.total_tokens},{tree.depth},{tree.top_k}"
+tree_name = tier_name
 
 
 def write_figure(reports: list[dict], path: str | Path):

@@ -201,6 +201,10 @@ def _cmd_bench(args) -> int:
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(0, target.config.vocab_size, size=16).tolist() for _ in range(args.num_prompts or 4)]
     trees = args.tree or [parse_tree(t) for t in (builtin.BENCH_TREES if is_builtin else ["60,7,10"])]
+    if args.adaptive:  # the same trees as tiers (plus no drafting) under the adaptive policy
+        from eagle3_jax.speculation import Speculation
+
+        trees = [*trees, Speculation((None, *trees))]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
@@ -391,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "directories are created)")
     bench.add_argument("--max-new-tokens-sweep", type=_number(int, "max-new-tokens-sweep", lo=1), nargs="+",
                        metavar="N", help="one report per value (the cache grows with it), instead of --max-new-tokens")
+    bench.add_argument("--adaptive", action="store_true",
+                       help="also run the adaptive policy over the --tree budgets (and no drafting) as tiers")
     bench.add_argument("--cost", action="store_true",
                        help="report where the time goes instead: decode_step by cache size and batch, and the decode "
                             "loop's parts and cache copies per --max-new-tokens-sweep value (default 64 440)")

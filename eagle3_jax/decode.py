@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, kv_cache
+from eagle3_jax import budget, kv_cache, speculation
 from eagle3_jax.models.target import check_token_ids
-from eagle3_jax.tree import TreeConfig, expand, forced_chain
+from eagle3_jax.speculation import Speculation
+from eagle3_jax.tree import Tree, TreeConfig, expand, forced_chain
 from eagle3_jax.verify import SamplingConfig, sample, verify
 
 
@@ -63,6 +65,8 @@ class _State:
     step: jax.Array  # scalar round counter
     key: jax.Array
     think: "_Think | None" = None
+    ctl: "speculation.Controller | None" = None  # the speculative-budget policy
+    round_tier: jax.Array | None = None  # [max_rounds] the tier each round ran
 
 
 @jax.tree_util.register_dataclass
@@ -155,8 +159,16 @@ def _stop_array(stop_ids: tuple[int, ...]):
     return jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
 
-def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, *, max_len: int, max_new: int,
-         stop_ids: tuple[int, ...], sampling: SamplingConfig, tree: TreeConfig | None,
+def _root_only(root_B) -> Tree:
+    """The tree of a round that drafts nothing: the root alone."""
+    B = root_B.shape[0]
+    return Tree(root_B[:, None], jnp.full((B, 1), -1, jnp.int32), jnp.zeros((B, 1), jnp.int32),
+                jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1, 1), jnp.int32))
+
+
+def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
+         round_cap, *, max_len: int,
+         max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig, spec: Speculation | None,
          thinking: budget.ThinkingConfig | None):
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
@@ -196,24 +208,26 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                                      accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, 0), -1)))
             return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new, thinking, st.step)
 
-    def spec_round(st: _State) -> _State:
+    def spec_round(st: _State, tree: TreeConfig | None) -> _State:
+        """One round of tier ``tree`` (``None``: nothing drafted, the drafter still catches up)."""
         active = ~st.done
         think, forcing = st.think, jnp.zeros((B,), bool)
         with jax.named_scope("draft"):
-            t = expand(drafter, st.dcache, st.last_hidden, st.root, tree)
+            t = _root_only(st.root) if tree is None else expand(drafter, st.dcache, st.last_hidden, st.root, tree)
             if thinking is not None:  # sequences forcing E commit it as a chain instead of a draft
                 forcing = active & (think.force >= 0)
-                F = min(tree.total_tokens, tree.path_len) - 1
+                F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
                 start = jnp.maximum(think.force, 0)
-                ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
                 n_forced = jnp.clip(m - start, 0, F)
-                chain = forced_chain(st.root, ids, n_forced, tree)
-                t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
+                if F:
+                    ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
+                    chain = forced_chain(st.root, ids, n_forced, tree)
+                    t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
         with jax.named_scope("verify"):
             logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
                                            region_mask_BxTxR=t.mask)
             key, sub = jax.random.split(st.key)
-            path, accepted, bonus = verify(t, logits, sub, sampling, tree.top_k, force_B=forcing)
+            path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
         node = jnp.maximum(path, 0)
         nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
         drafted = jnp.take_along_axis(t.tokens, nxt_node, 1)  # the accepted draft token after each node
@@ -246,13 +260,27 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                 accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, accepted), -1)))
             return _emit(st2, new, count, stops, max_new, thinking, st.step)
 
-    body = vanilla_round if drafter is None else spec_round
+    if drafter is None:
+        body = vanilla_round
+    else:
+        st = dataclasses.replace(st, ctl=speculation.init(spec, round_ms_T), round_tier=jnp.zeros((max_rounds,), jnp.int32))
+        rounds = [functools.partial(spec_round, tree=tier) for tier in spec.tiers]
+
+        def body(st: _State) -> _State:
+            tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
+            st2 = rounds[0](st) if len(rounds) == 1 else jax.lax.switch(tier, rounds, st)
+            acc = st2.accept[:, st.step]
+            return dataclasses.replace(st2, ctl=speculation.update(st2.ctl, spec, jnp.maximum(acc, 0), acc >= 0),
+                                       round_tier=st2.round_tier.at[st.step].set(tier))
 
     def step(st):
         return dataclasses.replace(body(st), step=st.step + 1)
 
-    st = jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < max_rounds), step, st)
+    cap = jnp.minimum(max_rounds, round_cap)
+    st = jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < cap), step, st)
     out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
+    if st.round_tier is not None:
+        out["round_tier"] = st.round_tier
     if thinking is not None:
         out.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
                    round_thinking=st.think.round_thinking)
@@ -260,13 +288,14 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
 
 
 _run_jit = jax.jit(_run, static_argnums=(0, 2),
-                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "tree", "thinking"))
+                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking"))
 
 
 # Compiled loops, least recently used first.  Each holds its executable (and its
 # constants) in memory, so the number kept is bounded.
 COMPILE_CACHE_SIZE = 16
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
+_ROUND_MS: dict = {}  # id(compiled) → measured milliseconds per round of each speculation tier
 
 
 def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
@@ -278,11 +307,12 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
     else:
         spec = jax.ShapeDtypeStruct
         batch = spec(prompt_shape[:1], jnp.int32)
+        tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
         _COMPILED[cache_key] = _run_jit.lower(
             tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
-            **dict(kw)).compile()
+            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32), **dict(kw)).compile()
         while len(_COMPILED) > COMPILE_CACHE_SIZE:
-            _COMPILED.popitem(last=False)
+            _ROUND_MS.pop(id(_COMPILED.popitem(last=False)[1]), None)
     return _COMPILED[cache_key]
 
 
@@ -375,6 +405,11 @@ class _Request:
     seed: int
     budget_B: np.ndarray  # thinking-content tokens allowed per sequence, -1 = unlimited
     phase_B: np.ndarray  # the thinking phase after each prompt
+    round_ms: np.ndarray | None  # per speculation tier (None: measured when the policy adapts)
+
+    @property
+    def spec(self) -> Speculation | None:
+        return dict(self.kw)["spec"]
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -425,7 +460,7 @@ def _budgets(thinking_budget, n: int) -> np.ndarray:
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
              tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
-             end_thinking_ids=None) -> _Request:
+             end_thinking_ids=None, speculation=None, round_ms=None) -> _Request:
     vocab = target.config.vocab_size
     max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
     temperature = _float_arg("temperature", temperature)
@@ -444,14 +479,25 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
         raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
     stops = [_int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
     seqs = prompt_rows(prompts, vocab, tokenizer)
+    if speculation is None:
+        speculation = Speculation.fixed(tree)
+    elif isinstance(speculation, TreeConfig):
+        speculation = Speculation.fixed(speculation)
+    elif not isinstance(speculation, Speculation):
+        raise TypeError(f"speculation must be a TreeConfig or a Speculation, got {type(speculation).__name__}")
     if drafter is not None:
         if drafter.config.vocab_size != vocab or drafter.config.target_hidden_size != target.config.hidden_size:
             raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")
-        if tree.top_k > drafter.config.draft_vocab_size:
-            raise ValueError(f"tree.top_k={tree.top_k} exceeds the draft vocabulary ({drafter.config.draft_vocab_size})")
+        if speculation.max_top_k > drafter.config.draft_vocab_size:
+            raise ValueError(f"tree.top_k={speculation.max_top_k} exceeds the draft vocabulary "
+                             f"({drafter.config.draft_vocab_size})")
+    if round_ms is not None:
+        round_ms = np.asarray(round_ms, np.float64)
+        if round_ms.shape != (len(speculation.tiers),) or not np.isfinite(round_ms).all() or (round_ms <= 0).any():
+            raise ValueError(f"round_ms: need one positive time per tier ({len(speculation.tiers)}), got {round_ms.tolist()}")
     longest = max(s.size for s in seqs)
     T = _bucket(longest)
-    scratch = 1 if drafter is None else tree.scratch
+    scratch = 1 if drafter is None else speculation.scratch
     max_len = T + max_new_tokens + scratch
     if max_len > target.config.max_position_embeddings:
         raise ValueError(f"prompts + max_new_tokens: the longest prompt ({longest} tokens, padded to a bucket of {T}) + "
@@ -469,9 +515,9 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
                          "tokenizer with <think> and </think>")
     phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
-              sampling=SamplingConfig(temperature, top_p, top_k), tree=tree if drafter is not None else None,
+              sampling=SamplingConfig(temperature, top_p, top_k), spec=speculation if drafter is not None else None,
               thinking=thinking)
-    return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase)
+    return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms)
 
 
 _THINKING_DOC = """
@@ -487,37 +533,67 @@ _THINKING_DOC = """
 """
 
 
-def compile_generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                     top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
-                     stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
-                     thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None, end_thinking_ids=None):
-    """The compiled decode loop ``generate`` would run for these arguments, and its inputs:
-    ``(compiled, args)`` with ``compiled(*args)`` a dict of arrays (``out``, ``n_out``,
-    ``accept``, and the thinking state when tracked).  For inspecting the program
-    (``compiled.as_text()``, ``eagle3_jax.cost``)."""
-    compiled, args, _ = _compile(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
-                                 tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
-                                 thinking_grace=thinking_grace, think_token_ids=think_token_ids,
-                                 end_thinking_ids=end_thinking_ids)
+def compile_generate(target, drafter, prompts, **kwargs):
+    """The compiled decode loop ``generate(target, drafter, prompts, **kwargs)`` would run,
+    and its inputs: ``(compiled, args)`` with ``compiled(*args)`` a dict of arrays (``out``,
+    ``n_out``, ``accept``, the tier per round, and the thinking state when tracked).  For
+    inspecting the program (``compiled.as_text()``, ``eagle3_jax.cost``)."""
+    compiled, args, _ = _compile(target, drafter, prompts, **kwargs)
     return compiled, args
 
 
-def _compile(target, drafter, prompts, **kw):
-    req = _prepare(target, drafter, prompts, **kw)
+def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, tree=TreeConfig(),
+             seed=0, stop_token_ids=None, tokenizer=None, **kw):
+    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                   top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids, tokenizer=tokenizer, **kw)
+    spec = req.spec
     tgraph, tstate = nnx.split(target)
     dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
     compiled = _compiled(tgraph, dgraph, req.prompt_BxT.shape, req.kw, tstate, dstate)
+    n_tiers = 1 if spec is None else len(spec.tiers)
     args = (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed),
-            jnp.asarray(req.budget_B), jnp.asarray(req.phase_B))
+            jnp.asarray(req.budget_B), jnp.asarray(req.phase_B), jnp.ones((n_tiers,), jnp.float32), jnp.int32(-1),
+            jnp.int32(dict(req.kw)["max_new"]))
+    round_ms = req.round_ms
+    if round_ms is None and spec is not None and spec.policy == "adaptive":
+        round_ms = _round_ms(compiled, args, n_tiers)
+    if round_ms is not None:
+        args = args[:7] + (jnp.asarray(round_ms, jnp.float32),) + args[8:]
     return compiled, args, req
+
+
+def _round_ms(compiled, args, n_tiers: int, rounds: int = 16, repeats: int = 2) -> tuple[float, ...]:
+    """Milliseconds per round of each speculation tier, measured once per compiled program on
+    the program itself: each tier forced for ``rounds`` rounds, minus the same call with no
+    rounds (the prefill), the faster of ``repeats``."""
+    if id(compiled) in _ROUND_MS:
+        return _ROUND_MS[id(compiled)]
+
+    def seconds(tier: int, cap: int):
+        call = args[:8] + (jnp.int32(tier), jnp.int32(cap))
+        res = jax.block_until_ready(compiled(*call))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*call))
+            best = min(best, time.perf_counter() - start)
+        return best, int((np.asarray(res["accept"]) != -1).any(0).sum())
+
+    prefill, _ = seconds(0, 0)
+    out = []
+    for tier in range(n_tiers):
+        full, n = seconds(tier, rounds)
+        out.append(1e3 * max(full - prefill, 1e-6) / max(n, 1))
+    _ROUND_MS[id(compiled)] = tuple(out)
+    return _ROUND_MS[id(compiled)]
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, tree: TreeConfig = TreeConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
              thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None,
-             end_thinking_ids=None) -> GenerateResult:
+             end_thinking_ids=None, speculation: Speculation | TreeConfig | None = None,
+             round_ms=None) -> GenerateResult:
     """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
 
     Greedy output is token-identical to the target's own greedy decoding under the same
@@ -532,6 +608,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       temperature: 0 for greedy, else >= ``MIN_TEMPERATURE``; ``top_p`` in (0, 1], ``top_k``
         >= 0 (0 = off).
       tree: the draft tree budget (``TreeConfig``); ignored without a drafter.
+      speculation: the speculative budget K as tiers and a policy (``Speculation``, see
+        ``eagle3_jax.speculation``; a ``TreeConfig`` is one fixed tier); overrides ``tree``.
+      round_ms: milliseconds per round of each tier, for the adaptive policy (default:
+        measured once per models, tiers, batch and prompt bucket).
       seed: the sampling seed, in [0, 2**32).
       stop_token_ids: token ids that end a sequence, besides the target's EOS ids.{thinking}
     Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
@@ -545,14 +625,14 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                    top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
                                    tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
                                    thinking_grace=thinking_grace, think_token_ids=think_token_ids,
-                                   end_thinking_ids=end_thinking_ids)
+                                   end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms)
     start = time.perf_counter()
     res = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
     res = {k: np.asarray(v) for k, v in res.items()}
     n_out = res["n_out"]
     tokens = [res["out"][b, : n_out[b]].tolist() for b in range(n_out.shape[0])]
-    stats = _stats(res, seconds, None if drafter is None else tree)
+    stats = _stats(res, seconds, req.spec)
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
     stops = set(req.stop_ids)
     finish = ["stop" if t and t[-1] in stops else "length" for t in tokens]
@@ -577,26 +657,35 @@ def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
     return (float((flat + 1).mean()) if flat.size else 0.0), rate
 
 
-def _round_stats(accept_BxR, rounds_mask_BxR, tree: TreeConfig | None) -> dict:
-    acc = [row[m & (row >= 0)].tolist() for row, m in zip(accept_BxR, rounds_mask_BxR)]
+def _round_stats(accept_BxR, rounds_mask_BxR, proposed_R, positions: int) -> dict:
+    drafted = rounds_mask_BxR & (accept_BxR >= 0)
+    acc = [row[m].tolist() for row, m in zip(accept_BxR, drafted)]
     rounds = [len(a) for a in acc]
-    tau, rate = acceptance([a for row in acc for a in row], 0 if tree is None else tree.path_len - 1)
+    tau, rate = acceptance([a for row in acc for a in row], positions)
     return {
         "rounds": rounds,
         "accept_lengths": acc,
         "tau": tau,
         "acceptance_rate": rate,
-        "proposed": int(sum(rounds) * (tree.total_tokens - 1)) if tree is not None else 0,
+        "proposed": int((drafted * proposed_R[None]).sum()),
         "accepted": int(sum(map(sum, acc))),
     }
 
 
-def _stats(res: dict, seconds: float, tree: TreeConfig | None) -> dict:
+def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
     """Round statistics (drafted rounds only: a round that committed forced end-of-thinking
-    tokens is counted in ``forced_rounds``), and per thinking phase when tracked."""
+    tokens is counted in ``forced_rounds``), the tier of each round, and per thinking phase
+    when tracked."""
     accept, n_out = res["accept"], res["n_out"]
+    R = accept.shape[1]
+    tiers = (None,) if spec is None else spec.tiers
+    tier_R = res.get("round_tier", np.zeros((R,), np.int64))
+    proposed_R = np.array([0 if t is None else t.total_tokens - 1 for t in tiers])[tier_R]
+    positions = 0 if spec is None else spec.positions
     new_tokens = int(n_out.sum())
-    stats = _round_stats(accept, np.ones_like(accept, bool), tree)
+    stats = _round_stats(accept, np.ones_like(accept, bool), proposed_R, positions)
+    ran = (accept != -1).any(0)
+    names = [speculation.tier_name(t) for t in tiers]
     stats.update({
         "forced_rounds": int((accept == -2).sum()),
         "committed": new_tokens,
@@ -604,12 +693,15 @@ def _stats(res: dict, seconds: float, tree: TreeConfig | None) -> dict:
         "seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
     })
+    if spec is not None:
+        stats["tier_per_round"] = [names[i] for i in tier_R[ran]]
+        stats["tier_rounds"] = {n: int((tier_R[ran] == i).sum()) for i, n in enumerate(names)}
     if "round_thinking" in res:
         rt, thinking = res["round_thinking"], res["thinking"]
         stats["phases"] = {
-            "thinking": {**_round_stats(accept, rt, tree), "committed": int(thinking.sum()),
+            "thinking": {**_round_stats(accept, rt, proposed_R, positions), "committed": int(thinking.sum()),
                          "forced_rounds": int(((accept == -2) & rt).sum())},
-            "answer": {**_round_stats(accept, ~rt, tree), "committed": int(new_tokens - thinking.sum()),
+            "answer": {**_round_stats(accept, ~rt, proposed_R, positions), "committed": int(new_tokens - thinking.sum()),
                        "forced_rounds": int(((accept == -2) & ~rt).sum())},
         }
     return stats

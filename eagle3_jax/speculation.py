@@ -1,0 +1,169 @@
+"""The speculative budget K as a controller: a set of tiers (no drafting, chains, trees) and a
+policy that picks one per round on device, inside the decode loop.
+
+Every tier runs the same round (draft → verify → commit); ``None`` is a round with nothing
+drafted (the target's step, the drafter catching up on the committed token).  All tiers are
+compiled into the one loop as ``lax.switch`` branches, with the caches sized for the largest;
+the tier never changes the output, only how fast it is computed.
+
+The adaptive policy maximises expected committed tokens per millisecond:
+
+* expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
+  acceptance rates ``a`` (a Laplace-smoothed, exponentially decayed count shared by all chain
+  tiers); for trees, a running mean of their own committed tokens per round (the chain
+  estimate of their depth until tried); 1 for no drafting;
+* milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
+  program itself (each tier forced for a few rounds; ``decode``), or given;
+* a warm-up that runs each tier ``warmup`` rounds in turn, then a switch at most every
+  ``cooldown`` rounds, between tiers ``min_tier..max_tier`` of ``tiers``; with ``None`` among
+  the tiers it falls back to no drafting when no tier beats a plain step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.tree import TreeConfig
+
+DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative-budget tiers and the policy that picks one per round.
+
+    ``tiers``: ``TreeConfig`` s and ``None`` (no drafting); ``policy``: ``"adaptive"`` or
+    ``"fixed"`` (always ``tiers[0]``); ``warmup`` rounds per tier before adapting;
+    ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
+    indices the policy may choose from.
+    """
+
+    tiers: tuple
+    policy: str = "adaptive"
+    warmup: int = 2
+    cooldown: int = 4
+    min_tier: int = 0
+    max_tier: int | None = None
+
+    def __post_init__(self):
+        tiers = tuple(self.tiers)
+        object.__setattr__(self, "tiers", tiers)
+        if not tiers:
+            raise ValueError("speculation: need at least one tier")
+        for i, t in enumerate(tiers):
+            if t is not None and not isinstance(t, TreeConfig):
+                raise TypeError(f"speculation.tiers[{i}] must be a TreeConfig or None, got {type(t).__name__}")
+        if self.policy not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
+        for name in ("warmup", "cooldown"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "cooldown" else 0):
+                raise ValueError(f"speculation.{name} must be an integer >= {1 if name == 'cooldown' else 0}, got {v!r}")
+        hi = len(tiers) - 1 if self.max_tier is None else self.max_tier
+        if not 0 <= self.min_tier <= hi < len(tiers):
+            raise ValueError(f"speculation: need 0 <= min_tier ({self.min_tier}) <= max_tier ({hi}) < {len(tiers)}")
+        object.__setattr__(self, "max_tier", hi)
+
+    @classmethod
+    def fixed(cls, tier: TreeConfig | None) -> "Speculation":
+        return cls((tier,), policy="fixed")
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots past the prefix that the largest tier needs."""
+        return max(1 if t is None else t.scratch for t in self.tiers)
+
+    @property
+    def positions(self) -> int:
+        """The most draft positions any tier offers."""
+        return max(0 if t is None else t.path_len - 1 for t in self.tiers)
+
+    @property
+    def max_top_k(self) -> int:
+        return max(1 if t is None else t.top_k for t in self.tiers)
+
+
+def tier_name(tier: TreeConfig | None) -> str:
+    if tier is None:
+        return "none"
+    if tier.top_k == 1 and tier.total_tokens == tier.path_len:
+        return f"chain{tier.total_tokens - 1}"
+    return f"{tier.total_tokens},{tier.depth},{tier.top_k}"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Controller:
+    """The policy's state in the loop (scalars and per-tier / per-position arrays)."""
+
+    tier: jax.Array  # the tier of the next round
+    since: jax.Array  # rounds since the last switch
+    rounds: jax.Array  # rounds run
+    hits: jax.Array  # [D] decayed accepted counts per draft position (chains)
+    trials: jax.Array  # [D] decayed offered counts per draft position (chains)
+    mean: jax.Array  # [T] running committed tokens per round, per tier
+    tried: jax.Array  # [T] bool
+    round_ms: jax.Array  # [T] milliseconds per round, per tier
+
+
+def init(spec: Speculation, round_ms) -> Controller:
+    D, T = max(spec.positions, 1), len(spec.tiers)
+    f = lambda n: jnp.zeros((n,), jnp.float32)  # noqa: E731
+    return Controller(jnp.int32(0), jnp.int32(0), jnp.int32(0), f(D), f(D), f(T), jnp.zeros((T,), bool),
+                      jnp.asarray(round_ms, jnp.float32))
+
+
+def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Controller:
+    """Folds one round of tier ``ctl.tier`` (``accepted`` drafts per sequence, ``drafted``:
+    the sequences that drafted in it) into the estimates, then picks the next tier."""
+    if spec.policy == "fixed":
+        return dataclasses.replace(ctl, rounds=ctl.rounds + 1)
+    D, T = ctl.hits.shape[0], len(spec.tiers)
+    w = drafted_B.astype(jnp.float32)
+    n = jnp.maximum(w.sum(), 1.0)
+    seen = w.sum() > 0
+    depth = jnp.asarray([0 if t is None else t.path_len - 1 for t in spec.tiers])[ctl.tier]
+    is_chain = jnp.asarray([t is not None and t.top_k == 1 for t in spec.tiers])[ctl.tier]
+    i = jnp.arange(1, D + 1)[None]
+    offered = (accepted_B[:, None] >= i - 1) & (i <= depth) & drafted_B[:, None]
+    took = (accepted_B[:, None] >= i) & (i <= depth) & drafted_B[:, None]
+    chain_round = seen & is_chain
+    hits = jnp.where(chain_round, DECAY * ctl.hits + took.sum(0), ctl.hits)
+    trials = jnp.where(chain_round, DECAY * ctl.trials + offered.sum(0), ctl.trials)
+    obs = (w * (accepted_B + 1)).sum() / n
+    this = jnp.arange(T) == ctl.tier
+    mean = jnp.where(this & seen, jnp.where(ctl.tried, DECAY * ctl.mean + (1 - DECAY) * obs, obs), ctl.mean)
+    ctl = dataclasses.replace(ctl, hits=hits, trials=trials, mean=mean, tried=ctl.tried | (this & seen),
+                              rounds=ctl.rounds + 1, since=ctl.since + 1)
+    return _choose(ctl, spec)
+
+
+def expected_tokens(ctl: Controller, spec: Speculation):
+    """Expected committed tokens per round of each tier (see the module doc)."""
+    a = (ctl.hits + 1.0) / (ctl.trials + 2.0)
+    reach = jnp.concatenate([jnp.ones((1,)), jnp.cumprod(a)])  # reach[k] = P(first k drafts accepted)
+    chain = jnp.cumsum(reach)  # chain[k] = expected tokens of a k-token chain
+    est = []
+    for j, t in enumerate(spec.tiers):
+        if t is None:
+            est.append(jnp.float32(1.0))
+        elif t.top_k == 1:
+            est.append(chain[t.path_len - 1])
+        else:
+            est.append(jnp.where(ctl.tried[j], ctl.mean[j], chain[t.path_len - 1]))
+    return jnp.stack(est)
+
+
+def _choose(ctl: Controller, spec: Speculation) -> Controller:
+    T = len(spec.tiers)
+    rate = expected_tokens(ctl, spec) / jnp.maximum(ctl.round_ms, 1e-6)
+    allowed = (jnp.arange(T) >= spec.min_tier) & (jnp.arange(T) <= spec.max_tier)
+    best = jnp.argmax(jnp.where(allowed, rate, -jnp.inf)).astype(jnp.int32)
+    warming = ctl.rounds < spec.warmup * T
+    warm_tier = jnp.minimum(ctl.rounds // max(spec.warmup, 1), T - 1).astype(jnp.int32)
+    switch = (ctl.since >= spec.cooldown) & (best != ctl.tier)
+    tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
+    return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since))

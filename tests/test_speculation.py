@@ -1,0 +1,125 @@
+"""The speculative budget as tiers with an on-device policy: whatever tier each round runs,
+the output is vanilla's (greedy tokens, sampled distribution); the policy follows its
+estimates (deterministic with given round costs), honours warm-up and cooldown, and falls
+back to no drafting when drafting does not pay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import eagle3_jax
+from eagle3_jax import builtin
+from eagle3_jax.decode import encode_chat
+from eagle3_jax.speculation import Speculation
+from eagle3_jax.tree import TreeConfig
+from helpers import FIXTURES
+
+TIERS = (None, TreeConfig.chain(4), TreeConfig(16, 4, 4))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, drafter, tok = builtin.load()
+    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in builtin.eval_tasks()[:4]]
+    return target, drafter, tok, prompts
+
+
+def _after_warmup(res, spec):
+    return res.stats["tier_per_round"][spec.warmup * len(spec.tiers):]
+
+
+def test_adaptive_is_lossless_with_budgets_and_ragged_batch(pair):
+    """Measured round costs (the default), a ragged batch with mixed thinking budgets: every
+    round's tier is compiled into the one loop and the tokens are vanilla's."""
+    target, drafter, tok, prompts = pair
+    kw = dict(max_new_tokens=96, tokenizer=tok, thinking_budget=[0, 5, None, 11])
+    want = eagle3_jax.generate(target, None, prompts, **kw)
+    spec = Speculation(TIERS, warmup=2, cooldown=3)
+    got = eagle3_jax.generate(target, drafter, prompts, speculation=spec, **kw)
+    assert got.tokens == want.tokens and got.thinking_status == want.thinking_status
+    assert got.stats["tier_per_round"][:6] == ["none", "none", "chain4", "chain4", "16,4,4", "16,4,4"]  # warm-up
+    assert sum(got.stats["tier_rounds"].values()) == len(got.stats["tier_per_round"])
+    phases = got.stats["phases"]
+    assert phases["thinking"]["proposed"] + phases["answer"]["proposed"] == got.stats["proposed"]
+
+
+@pytest.mark.parametrize("round_ms,want", [((1.0, 1.0, 100.0), "chain4"), ((1.0, 100.0, 100.0), "none"),
+                                           ((100.0, 100.0, 1.0), "16,4,4")])
+def test_policy_follows_expected_tokens_per_ms(pair, round_ms, want):
+    """With given costs the choice is deterministic: after the warm-up it settles on the tier
+    with the most expected tokens per millisecond (chain4 commits ~4 tokens a round for 1 ms;
+    nothing beats a plain step that costs 100× less)."""
+    target, drafter, tok, prompts = pair
+    spec = Speculation(TIERS, warmup=1, cooldown=1)
+    res = eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=96, speculation=spec, round_ms=round_ms)
+    rest = _after_warmup(res, spec)
+    assert rest and rest.count(want) >= len(rest) - 1, rest
+    vanilla = eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=96)
+    assert res.tokens == vanilla.tokens
+
+
+def test_cooldown_and_bounds(pair):
+    target, drafter, tok, prompts = pair
+    spec = Speculation(TIERS, warmup=1, cooldown=5, min_tier=1)
+    res = eagle3_jax.generate(target, drafter, prompts[:2], max_new_tokens=96, speculation=spec,
+                              round_ms=(0.001, 1.0, 1.2))
+    rest = _after_warmup(res, spec)
+    assert "none" not in rest  # below min_tier, however cheap
+    changes = [i for i in range(1, len(rest)) if rest[i] != rest[i - 1]]
+    assert all(b - a >= 5 for a, b in zip([-5] + changes, changes))
+
+
+def test_poor_drafter_falls_back_to_no_drafting():
+    """An untrained drafter (random weights, same shape): the measured costs make drafting a
+    loss, so after the warm-up the loop runs plain rounds."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 1024, size=10).tolist() for _ in range(2)]
+    spec = Speculation((None, TreeConfig.chain(4), TreeConfig(16, 4, 4)), warmup=2, cooldown=2)
+    res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=64, speculation=spec,
+                              round_ms=(1.0, 1.5, 2.5))  # a chain-4 round costs 1.5 plain rounds here
+    rest = _after_warmup(res, spec)
+    assert rest.count("none") >= 0.8 * len(rest), rest
+    assert res.tokens == eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
+
+
+def test_adaptive_sampling_matches_the_target_distribution():
+    from test_generate import _chi2_pvalue
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
+    prompt = np.load(FIXTURES / "eagenerate_greedy_trained.npz")["p0_prompt"].tolist()
+    kw = dict(max_new_tokens=6, temperature=0.8, top_p=0.95)
+    spec = Speculation((None, TreeConfig.chain(3), TreeConfig(16, 4, 4)), warmup=1, cooldown=1)
+    base = np.array(eagle3_jax.generate(target, None, [prompt] * 2000, seed=2, **kw).tokens)
+    res = eagle3_jax.generate(target, drafter, [prompt] * 2000, seed=1, speculation=spec,
+                              round_ms=(1.0, 1.2, 1.5), **kw)
+    got = np.array(res.tokens)
+    assert len(set(res.stats["tier_per_round"])) >= 2
+    for pos in (1, 3, 5):
+        bins = np.unique(np.concatenate([got[:, pos], base[:, pos]]), return_counts=True)
+        top = bins[0][np.argsort(-bins[1])[:12]]
+        assert _chi2_pvalue(got[:, pos], base[:, pos], top) > 1e-3, pos
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(tiers=()), ValueError, "at least one tier"),
+    (dict(tiers=((5, 3, 1),)), TypeError, "tiers[0]"),
+    (dict(tiers=(None,), policy="greedy"), ValueError, "policy"),
+    (dict(tiers=(None,), cooldown=0), ValueError, "cooldown"),
+    (dict(tiers=(None, TreeConfig.chain(2)), min_tier=2), ValueError, "min_tier"),
+])
+def test_bad_speculation(kwargs, exc, words):
+    with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
+        Speculation(**kwargs)
+
+
+def test_bad_round_ms_and_speculation_type(pair):
+    target, drafter, _, prompts = pair
+    with pytest.raises(ValueError, match="round_ms"):
+        eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation=Speculation(TIERS),
+                            round_ms=(1.0, -1.0, 2.0))
+    with pytest.raises(TypeError, match="speculation"):
+        eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation="adaptive")
