@@ -233,6 +233,54 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _budget(text: str):
+    """A thinking budget: a non-negative integer or ``unlimited``."""
+    if text.lower() in ("unlimited", "none", "inf"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer or 'unlimited', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _cmd_experiment(args) -> int:
+    from eagle3_jax import builtin
+    from eagle3_jax.bench import load_prompts
+    from eagle3_jax.experiment import run_experiment
+
+    if args.target is not None and args.drafter is None:
+        raise ValueError("experiment needs --drafter (or no --target, for the built-in pair)")
+    out = check_output_path(args.out, "--out", directory=True)
+    target, drafter, tok, is_builtin = _load_pair(args)
+    if tok is None:
+        raise ValueError(f"--target {args.target}: the experiment needs a tokenizer with <think> and </think>")
+    grade = None
+    if args.prompts:
+        prompts = load_prompts(args.prompts, target.config.vocab_size, tok)[: args.num_prompts]
+    elif is_builtin:
+        tasks = builtin.eval_tasks()[: args.num_prompts]
+        prompts = [_encode(tok, t["prompt"]) for t in tasks]
+        grade = lambda i, toks: builtin.grade(tasks[i], tok.decode(toks, skip_special_tokens=True))  # noqa: E731
+    else:
+        raise ValueError("--prompts is needed with --target")
+    kw = {}
+    if args.budgets:
+        kw["budgets"] = tuple(args.budgets)
+    if args.chosen:
+        kw["chosen"] = tuple(args.chosen)
+    if args.tree:
+        kw["tiers"] = tuple(args.tree)
+    report = run_experiment(target, drafter, tok, prompts, grade=grade, batch_size=args.batch_size,
+                            max_new_tokens=args.max_new_tokens, sampled_temperature=args.sampled_temperature or None,
+                            seed=args.seed, out_dir=out, **kw)
+    print("\n".join(report["summary"]))
+    print(f"wrote {out}/report.md, report.json, quality_tokens_latency.png and budget_heatmap.png")
+    return 0
+
+
 def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
     """Where a step's and a round's time goes (see ``eagle3_jax.cost``), printed and returned."""
     from eagle3_jax import cost
@@ -401,6 +449,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="report where the time goes instead: decode_step by cache size and batch, and the decode "
                             "loop's parts and cache copies per --max-new-tokens-sweep value (default 64 440)")
     bench.set_defaults(func=_cmd_bench)
+
+    exp = sub.add_parser("experiment", help="the two-budget experiment: thinking budget B swept with speculation "
+                                            "off, then vanilla vs each tier vs adaptive at chosen B; writes a report")
+    _common(exp)
+    exp.add_argument("--budgets", type=_budget, nargs="+", default=None, metavar="B",
+                     help="step 1's thinking budgets (default 0 8 16 32 64 128 unlimited)")
+    exp.add_argument("--chosen", type=_budget, nargs="+", default=None, metavar="B",
+                     help="step 2's budgets (default 16 64 unlimited)")
+    exp.add_argument("--tree", type=_tree, nargs="+", help="static tiers (default chain4 chain6 16,4,4)")
+    exp.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
+    exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1), help="first N prompts (default: all)")
+    exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
+    exp.add_argument("--sampled-temperature", type=temperature, default=0.7,
+                     help="also compare sampled accuracy at this temperature (0: greedy only)")
+    exp.add_argument("--out", default="experiment", help="report directory (report.md, report.json, figures)")
+    exp.set_defaults(func=_cmd_experiment)
 
     train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")
     train.add_argument("step", choices=["prepare", "regenerate", "vocab", "fit", "export", "all"])

@@ -208,35 +208,56 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                                      accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, 0), -1)))
             return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new, thinking, st.step)
 
-    def spec_round(st: _State, tree: TreeConfig | None) -> _State:
-        """One round of tier ``tree`` (``None``: nothing drafted, the drafter still catches up)."""
+    def propose(operand, tree: TreeConfig | None):
+        """Tier ``tree``'s draft and verification (``None``: nothing drafted); the caches are only
+        read.  Returns the accepted path's data, padded to the largest tier's path: node ids,
+        accepted count, bonus, the token after each node, its target features and keys/values."""
+        st, sub = operand
         active = ~st.done
-        think, forcing = st.think, jnp.zeros((B,), bool)
+        forcing, n_forced = jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32)
         with jax.named_scope("draft"):
             t = _root_only(st.root) if tree is None else expand(drafter, st.dcache, st.last_hidden, st.root, tree)
-            if thinking is not None:  # sequences forcing E commit it as a chain instead of a draft
-                forcing = active & (think.force >= 0)
-                F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
-                start = jnp.maximum(think.force, 0)
+            F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
+            if thinking is not None and F:  # sequences forcing E commit it as a chain instead of a draft
+                forcing = active & (st.think.force >= 0)
+                start = jnp.maximum(st.think.force, 0)
                 n_forced = jnp.clip(m - start, 0, F)
-                if F:
-                    ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
-                    chain = forced_chain(st.root, ids, n_forced, tree)
-                    t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
+                ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
+                chain = forced_chain(st.root, ids, n_forced, tree)
+                t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
         with jax.named_scope("verify"):
-            logits, feats, tcache = target(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
-                                           region_mask_BxTxR=t.mask)
-            key, sub = jax.random.split(st.key)
+            logits, feats, new_kv = target.forward(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
+                                                   region_mask_BxTxR=t.mask)
             path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
-        node = jnp.maximum(path, 0)
-        nxt_node = jnp.concatenate([node[:, 1:], node[:, :1]], 1)
-        drafted = jnp.take_along_axis(t.tokens, nxt_node, 1)  # the accepted draft token after each node
+            node = jnp.maximum(path, 0)
+            drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
+            b = jnp.arange(B)[:, None]
+            pad = P_max - node.shape[1]
+            padded = lambda x, axis, value=0: jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)],  # noqa: E731
+                                                      constant_values=value)
+            return (padded(path, 1, -1), accepted, bonus, padded(drafted, 1),
+                    padded(jnp.take_along_axis(feats, node[..., None], 1), 1),
+                    tuple(padded(x[:, b, node], 2) for x in new_kv), n_forced)
+
+    def spec_round(st: _State) -> _State:
+        """One round: the tier's proposal (``lax.switch`` over the tiers), then one commit, one
+        drafter catch-up and the output bookkeeping for every tier."""
+        active = ~st.done
+        think, forcing = st.think, jnp.zeros((B,), bool)
+        key, sub = jax.random.split(st.key)
+        tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
+        branches = [functools.partial(propose, tree=t) for t in spec.tiers]
+        path, accepted, bonus, drafted, path_feats, path_kv, n_forced = (
+            branches[0]((st, sub)) if len(branches) == 1 else jax.lax.switch(tier, branches, (st, sub)))
+        j = jnp.arange(P_max)[None]
         if thinking is not None:
+            forcing = active & (think.force >= 0)
+            start = jnp.maximum(think.force, 0)
             done_forcing = start + n_forced >= m
             bonus = jnp.where(forcing & ~done_forcing, end_ids[jnp.minimum(start + n_forced, m - 1)], bonus)
             force = jnp.where(forcing, jnp.where(~done_forcing & (start + n_forced + 1 < m), start + n_forced + 1, -1),
                               think.force)
-            cand = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None], drafted, bonus[:, None])
+            cand = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
             keep, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), cand, accepted + 1,
                                                   active & ~forcing, st.root, thinking)
             accepted = jnp.where(hit, keep, accepted)
@@ -244,34 +265,30 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
             think = dataclasses.replace(think, force=force, forced=think.forced | hit)
         count = jnp.where(active, accepted + 1, 0)
         with jax.named_scope("commit"):
-            tcache = kv_cache.commit(tcache, node, count)
+            tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, (B, P_max)), count, new_kv=path_kv)
         with jax.named_scope("catch_up"):
             # token following each committed node: the next accepted draft token, then the bonus
-            new = jnp.where(jnp.arange(node.shape[1])[None] < accepted[:, None], drafted, bonus[:, None])
+            new = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
             # the drafter consumes the committed nodes' target features (from the tree pass)
-            dfeats = jnp.take_along_axis(feats, node[..., None], 1)
-            dpos = st.dcache.lengths[:, None] + jnp.arange(node.shape[1])[None]
-            dout, dcache = drafter(dfeats, new, dpos, cache=st.dcache)
+            dpos = st.dcache.lengths[:, None] + j
+            dout, dcache = drafter(path_feats, new, dpos, cache=st.dcache)
         with jax.named_scope("emit"):
+            round_accept = jnp.where(active, jnp.where(forcing, -2, accepted), -1)
             st2 = dataclasses.replace(
                 st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key, think=think,
                 root=jnp.where(active, bonus, st.root),
                 last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
-                accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, accepted), -1)))
+                accept=st.accept.at[:, st.step].set(round_accept),
+                ctl=speculation.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
+                round_tier=st.round_tier.at[st.step].set(tier))
             return _emit(st2, new, count, stops, max_new, thinking, st.step)
 
     if drafter is None:
         body = vanilla_round
     else:
+        P_max = max(1 if t is None else t.path_len for t in spec.tiers)
         st = dataclasses.replace(st, ctl=speculation.init(spec, round_ms_T), round_tier=jnp.zeros((max_rounds,), jnp.int32))
-        rounds = [functools.partial(spec_round, tree=tier) for tier in spec.tiers]
-
-        def body(st: _State) -> _State:
-            tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
-            st2 = rounds[0](st) if len(rounds) == 1 else jax.lax.switch(tier, rounds, st)
-            acc = st2.accept[:, st.step]
-            return dataclasses.replace(st2, ctl=speculation.update(st2.ctl, spec, jnp.maximum(acc, 0), acc >= 0),
-                                       round_tier=st2.round_tier.at[st.step].set(tier))
+        body = spec_round
 
     def step(st):
         return dataclasses.replace(body(st), step=st.step + 1)

@@ -50,18 +50,23 @@ def _put(c_LxBxSxKxD, new_LxBxTxKxD, at_B):
     return c_LxBxSxKxD.at[:, jnp.arange(B)[:, None], slots_BxT].set(new, unique_indices=True)
 
 
-def commit(cache: KVCache, src_BxA, count_B) -> KVCache:
-    """Keeps new slots ``lengths + src[b, :count[b]]`` at ``lengths + [0, count[b])``.
+def commit(cache: KVCache, src_BxA, count_B, new_kv=None) -> KVCache:
+    """Keeps new slots ``src[b, :count[b]]`` at ``lengths + [0, count[b])`` and advances
+    ``lengths``.
 
-    ``src`` indexes the region written by the last forward (0 = first new token);
-    entries past ``count`` are ignored.  Sources are gathered before any write, so
-    overlapping moves are safe.
+    ``src`` indexes the new tokens of the last forward (0 = first new token): read from
+    ``new_kv = (k_LxBxTxKxD, v_LxBxTxKxD)`` when given (a forward that did not write the
+    cache, ``Target.forward``), else from the region the forward wrote after the prefix.
+    Entries past ``count`` are ignored.  Sources are gathered before any write, so
+    overlapping moves are safe; only the ``A`` kept rows are written.
     """
     B, A = src_BxA.shape
-    src = cache.lengths[:, None] + src_BxA
     b = jnp.arange(B)[:, None]
-    moved_k = cache.k[:, b, src]  # [L, B, A, K, D]: only the accepted rows
-    moved_v = cache.v[:, b, src]
+    if new_kv is None:
+        src = cache.lengths[:, None] + src_BxA
+        moved_k, moved_v = cache.k[:, b, src], cache.v[:, b, src]  # [L, B, A, K, D]
+    else:
+        moved_k, moved_v = new_kv[0][:, b, src_BxA], new_kv[1][:, b, src_BxA]
     return advance(write(cache, moved_k, moved_v, cache.lengths), count_B)
 
 

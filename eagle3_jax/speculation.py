@@ -14,9 +14,12 @@ The adaptive policy maximises expected committed tokens per millisecond:
   estimate of their depth until tried); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
-* a warm-up that runs each tier ``warmup`` rounds in turn, then a switch at most every
-  ``cooldown`` rounds, between tiers ``min_tier..max_tier`` of ``tiers``; with ``None`` among
-  the tiers it falls back to no drafting when no tier beats a plain step.
+* a warm-up of ``warmup`` rounds on the longest chain (they inform every draft position),
+  then a switch at most every ``cooldown`` rounds, between tiers ``min_tier..max_tier`` of
+  ``tiers``; an untried tree is estimated optimistically (each level as ``top_k``
+  independent tries), so it is tried once when it might win and then judged on its own
+  rounds; with ``None`` among the tiers it falls back to no drafting when no tier beats a
+  plain step.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Speculation:
     """Speculative-budget tiers and the policy that picks one per round.
 
     ``tiers``: ``TreeConfig`` s and ``None`` (no drafting); ``policy``: ``"adaptive"`` or
-    ``"fixed"`` (always ``tiers[0]``); ``warmup`` rounds per tier before adapting;
+    ``"fixed"`` (always ``tiers[0]``); ``warmup``: rounds on the longest chain before adapting;
     ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
     indices the policy may choose from.
     """
@@ -112,7 +115,8 @@ class Controller:
 def init(spec: Speculation, round_ms) -> Controller:
     D, T = max(spec.positions, 1), len(spec.tiers)
     f = lambda n: jnp.zeros((n,), jnp.float32)  # noqa: E731
-    return Controller(jnp.int32(0), jnp.int32(0), jnp.int32(0), f(D), f(D), f(T), jnp.zeros((T,), bool),
+    start = 0 if spec.policy == "fixed" else _warmup_tier(spec)
+    return Controller(jnp.int32(start), jnp.int32(0), jnp.int32(0), f(D), f(D), f(T), jnp.zeros((T,), bool),
                       jnp.asarray(round_ms, jnp.float32))
 
 
@@ -144,17 +148,27 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
 def expected_tokens(ctl: Controller, spec: Speculation):
     """Expected committed tokens per round of each tier (see the module doc)."""
     a = (ctl.hits + 1.0) / (ctl.trials + 2.0)
-    reach = jnp.concatenate([jnp.ones((1,)), jnp.cumprod(a)])  # reach[k] = P(first k drafts accepted)
-    chain = jnp.cumsum(reach)  # chain[k] = expected tokens of a k-token chain
+
+    def tokens(a_D, k: int):  # 1 + Σ_{i≤k} Π_{j≤i} a_j
+        return 1.0 + jnp.cumprod(a_D)[:k].sum()
+
     est = []
     for j, t in enumerate(spec.tiers):
         if t is None:
             est.append(jnp.float32(1.0))
         elif t.top_k == 1:
-            est.append(chain[t.path_len - 1])
-        else:
-            est.append(jnp.where(ctl.tried[j], ctl.mean[j], chain[t.path_len - 1]))
+            est.append(tokens(a, t.path_len - 1))
+        else:  # untried: optimistic, as if each level offered top_k independent tries
+            est.append(jnp.where(ctl.tried[j], ctl.mean[j], tokens(1.0 - (1.0 - a) ** t.top_k, t.path_len - 1)))
     return jnp.stack(est)
+
+
+def _warmup_tier(spec: Speculation) -> int:
+    """The longest chain (its rounds inform every draft position of every chain), else the
+    first drafting tier."""
+    chains = [(t.path_len, i) for i, t in enumerate(spec.tiers) if t is not None and t.top_k == 1]
+    drafting = [i for i, t in enumerate(spec.tiers) if t is not None]
+    return max(chains)[1] if chains else (drafting[0] if drafting else 0)
 
 
 def _choose(ctl: Controller, spec: Speculation) -> Controller:
@@ -162,8 +176,8 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     rate = expected_tokens(ctl, spec) / jnp.maximum(ctl.round_ms, 1e-6)
     allowed = (jnp.arange(T) >= spec.min_tier) & (jnp.arange(T) <= spec.max_tier)
     best = jnp.argmax(jnp.where(allowed, rate, -jnp.inf)).astype(jnp.int32)
-    warming = ctl.rounds < spec.warmup * T
-    warm_tier = jnp.minimum(ctl.rounds // max(spec.warmup, 1), T - 1).astype(jnp.int32)
+    warming = ctl.rounds < spec.warmup
+    warm_tier = jnp.int32(_warmup_tier(spec))
     switch = (ctl.since >= spec.cooldown) & (best != ctl.tier)
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
     return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since))

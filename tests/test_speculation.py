@@ -26,7 +26,7 @@ def pair():
 
 
 def _after_warmup(res, spec):
-    return res.stats["tier_per_round"][spec.warmup * len(spec.tiers):]
+    return res.stats["tier_per_round"][spec.warmup:]
 
 
 def test_adaptive_is_lossless_with_budgets_and_ragged_batch(pair):
@@ -38,7 +38,7 @@ def test_adaptive_is_lossless_with_budgets_and_ragged_batch(pair):
     spec = Speculation(TIERS, warmup=2, cooldown=3)
     got = eagle3_jax.generate(target, drafter, prompts, speculation=spec, **kw)
     assert got.tokens == want.tokens and got.thinking_status == want.thinking_status
-    assert got.stats["tier_per_round"][:6] == ["none", "none", "chain4", "chain4", "16,4,4", "16,4,4"]  # warm-up
+    assert got.stats["tier_per_round"][:2] == ["chain4", "chain4"]  # warm-up on the longest chain
     assert sum(got.stats["tier_rounds"].values()) == len(got.stats["tier_per_round"])
     phases = got.stats["phases"]
     assert phases["thinking"]["proposed"] + phases["answer"]["proposed"] == got.stats["proposed"]

@@ -78,11 +78,21 @@ class Target(nnx.Module):
 
         Returns ``(logits_BxTxV float32, features_BxTx3H, cache)``.
         """
-        hidden, features, cache = self.trunk(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
-        return self.head(hidden), features, cache
+        logits, features, new_kv = self.forward(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
+        if cache is not None:
+            cache = write(cache, *new_kv, cache.lengths)
+        return logits, features, cache
+
+    def forward(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
+        """As ``__call__``, but the cache is only read: returns ``(logits_BxTxV, features_BxTx3H,
+        (k_new_LxBxTxKxD, v_new_LxBxTxKxD))``, the new keys/values for the caller to write or
+        commit (``kv_cache.write`` / ``kv_cache.commit``)."""
+        hidden, features, new_kv = self.trunk(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
+        return self.head(hidden), features, new_kv
 
     def trunk(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
-        """The decoder stack: ``(final-normed hidden_BxTxH, features_BxTx3H, cache)``."""
+        """The decoder stack (the cache only read): ``(final-normed hidden_BxTxH, features_BxTx3H,
+        (k_new_LxBxTxKxD, v_new_LxBxTxKxD))``."""
         cfg = self.config
         B, T = tokens_BxT.shape
         if region_mask_BxTxR is None:
@@ -112,9 +122,7 @@ class Target(nnx.Module):
         (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), (jnp.arange(cfg.num_layers), stacked))
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
-        if cache is not None:
-            cache = write(cache, k_new, v_new, prefix)
-        return h, features, cache
+        return h, features, (k_new, v_new)
 
     def head(self, hidden_BxTxH):
         """float32 logits from the final-normed hidden (tied embeddings when there is no lm_head)."""

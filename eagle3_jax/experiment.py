@@ -1,0 +1,252 @@
+"""The two-budget experiment: what the thinking budget B does to quality and work, and what the
+speculative budget K does to execution, reported apart.
+
+* Step 1 — speculation off, B swept: accuracy, thinking and answer tokens, time to first
+  token, time per output token, end-to-end latency, budget-exhausted and incomplete rates.
+* Step 2 — at each chosen B: vanilla vs each static tier vs the adaptive policy: proposed
+  nodes per round, τ per phase, accepted / committed tokens, time per output token, tokens/s,
+  peak memory; greedy token identity with vanilla and, sampled, accuracy agreement
+  (two-proportion z).
+
+``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
+``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
+over B × K).  Latencies are per request at the given batch size, compilation excluded; TTFT
+is the same program run for one token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_jax.bench import peak_memory
+from eagle3_jax.decode import generate
+from eagle3_jax.speculation import Speculation, tier_name
+from eagle3_jax.tree import TreeConfig
+
+UNLIMITED = "unlimited"
+
+
+def _label(b) -> str:
+    return UNLIMITED if b is None else str(b)
+
+
+def _mode_name(mode) -> str:
+    return "vanilla" if mode is None else "adaptive" if isinstance(mode, Speculation) else tier_name(mode)
+
+
+def _run(target, drafter, prompts, *, budget, mode, batch_size, max_new_tokens, temperature, seed, tokenizer):
+    """All prompts under one (B, K); per-request latencies and the pooled statistics."""
+    kw = dict(tokenizer=tokenizer, thinking_budget=budget, temperature=temperature, seed=seed)
+    if mode is not None:
+        kw["speculation"] = mode
+    d = None if mode is None else drafter
+    out = {"tokens": [], "thinking": [], "answer": [], "status": [], "ttft": [], "e2e": [], "stats": []}
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        first = generate(target, d, chunk, max_new_tokens=1, **kw)
+        res = generate(target, d, chunk, max_new_tokens=max_new_tokens, **kw)
+        out["tokens"] += res.tokens
+        out["thinking"] += res.thinking_tokens
+        out["answer"] += res.answer_tokens
+        out["status"] += res.thinking_status
+        out["ttft"] += [first.stats["seconds"]] * len(chunk)
+        out["e2e"] += [res.stats["seconds"]] * len(chunk)
+        out["stats"].append(res.stats)
+    return out
+
+
+def _pool(stats: list[dict], key: str, phase: str | None = None) -> list:
+    src = [s["phases"][phase] if phase else s for s in stats]
+    return [a for s in src for row in s[key] for a in row] if key == "accept_lengths" else [s[key] for s in src]
+
+
+def _summary_row(r: dict, grade) -> dict:
+    n = len(r["tokens"])
+    new = sum(map(len, r["tokens"]))
+    seconds = sum(s["seconds"] for s in r["stats"])
+    tpot = [(e - t) / max(len(tok) - 1, 1) for e, t, tok in zip(r["e2e"], r["ttft"], r["tokens"])]
+    acc = None if grade is None else float(np.mean([grade(i, t) for i, t in enumerate(r["tokens"])]))
+    return {
+        "accuracy": acc,
+        "thinking_tokens": float(np.mean(r["thinking"])), "answer_tokens": float(np.mean(r["answer"])),
+        "tokens": new, "seconds": seconds, "tokens_per_second": new / seconds if seconds else math.inf,
+        "ttft_ms": 1e3 * float(np.mean(r["ttft"])), "tpot_ms": 1e3 * float(np.mean(tpot)),
+        "e2e_ms": 1e3 * float(np.mean(r["e2e"])),
+        "budget_exhausted_rate": r["status"].count("budget_exhausted") / n,
+        "incomplete_rate": r["status"].count("incomplete") / n,
+    }
+
+
+def _speculation_row(r: dict) -> dict:
+    stats = r["stats"]
+    rounds = sum(sum(s["rounds"]) for s in stats)
+    row = {"rounds": rounds, "proposed_per_round": sum(s["proposed"] for s in stats) / max(rounds, 1),
+           "accepted": sum(s["accepted"] for s in stats), "committed": sum(s["committed"] for s in stats),
+           "forced_rounds": sum(s["forced_rounds"] for s in stats)}
+    for phase in ("thinking", "answer"):
+        acc = _pool(stats, "accept_lengths", phase) if all("phases" in s for s in stats) else []
+        row[f"tau_{phase}"] = float(np.mean(acc) + 1) if acc else None
+    acc = _pool(stats, "accept_lengths")
+    row["tau"] = float(np.mean(acc) + 1) if acc else None
+    tiers: dict = {}
+    for s in stats:
+        for k, v in s.get("tier_rounds", {}).items():
+            tiers[k] = tiers.get(k, 0) + v
+    if tiers:
+        row["tier_rounds"] = tiers
+    return row
+
+
+def _z(p1: float, p2: float, n: int) -> float:
+    p = (p1 + p2) / 2
+    se = math.sqrt(2 * p * (1 - p) / n) if 0 < p < 1 else 0.0
+    return 0.0 if se == 0 else (p1 - p2) / se
+
+
+def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(0, 8, 16, 32, 64, 128, None),
+                   chosen=(16, 64, None), tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
+                   batch_size: int = 1, max_new_tokens: int = 256, sampled_temperature: float | None = 0.7,
+                   seed: int = 0, out_dir="experiment", progress: bool = True) -> dict:
+    """Runs both steps and writes the report (see the module doc); returns the report dict.
+
+    ``grade(i, tokens) -> bool`` scores prompt ``i`` (accuracy; ``None``: not reported);
+    ``chosen``: the budgets of step 2; ``tiers``: the static tiers (the adaptive policy runs
+    over them plus no drafting); ``sampled_temperature``: also compare sampled accuracy of
+    each mode with vanilla at that temperature (``None``: greedy only).
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    modes = [None, *tiers, Speculation((None, *tiers))]
+    temps = [0.0] + ([sampled_temperature] if sampled_temperature else [])
+    jobs = [("step1", b, None, 0.0) for b in budgets] + [("step2", b, m, t) for t in temps for b in chosen for m in modes]
+    results: dict = {}
+    bar = tqdm(jobs, desc="experiment", disable=not progress)
+    for step, b, mode, temp in bar:
+        key = (b, _mode_name(mode), temp)
+        bar.set_postfix_str(f"B={_label(b)} {_mode_name(mode)} T={temp}")
+        if key not in results:
+            results[key] = _run(target, drafter, prompts, budget=b, mode=mode, batch_size=batch_size,
+                                max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
+    report = {"settings": {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+                           "budgets": [_label(b) for b in budgets], "chosen": [_label(b) for b in chosen],
+                           "tiers": [tier_name(t) for t in tiers], "sampled_temperature": sampled_temperature},
+              "step1": {_label(b): _summary_row(results[(b, "vanilla", 0.0)], grade) for b in budgets}, "step2": {}}
+    for b in chosen:
+        base = results[(b, "vanilla", 0.0)]
+        rows = {}
+        for mode in modes:
+            name = _mode_name(mode)
+            r = results[(b, name, 0.0)]
+            row = {**_summary_row(r, grade), "identical_to_vanilla": r["tokens"] == base["tokens"]}
+            if mode is not None:
+                row.update(_speculation_row(r))
+            row["speedup"] = row["tokens_per_second"] / _summary_row(base, grade)["tokens_per_second"]
+            if sampled_temperature and grade is not None:
+                sv, sm = (_summary_row(results[(b, n, sampled_temperature)], grade)["accuracy"] for n in ("vanilla", name))
+                row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, _z(sm, sv, len(prompts))
+            rows[name] = row
+        report["step2"][_label(b)] = rows
+    report["peak_memory"] = peak_memory()
+    report["summary"] = _attribution(report)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(_markdown(report))
+    _figures(report, out_dir)
+    return report
+
+
+def _attribution(report: dict) -> list[str]:
+    """The two effects, stated apart: what B did to the target's work and quality, and what
+    EAGLE-3 did to execution time at the same B."""
+    s1, lines = report["step1"], []
+    ref = s1.get(UNLIMITED)
+    for b, rows in report["step2"].items():
+        best = max((n for n in rows if n != "vanilla"), key=lambda n: rows[n]["tokens_per_second"])
+        cut = 1 - rows[best]["seconds"] / rows["vanilla"]["seconds"]
+        if ref is not None and b != UNLIMITED:
+            tokens = 1 - s1[b]["tokens"] / ref["tokens"]
+            acc = "" if ref["accuracy"] is None else \
+                f" and changed accuracy by {100 * (s1[b]['accuracy'] - ref['accuracy']):+.1f} points"
+            lines.append(f"Budget B={b} reduced target tokens by {100 * tokens:.1f}% (vs unlimited){acc}; "
+                         f"at the same B, EAGLE-3 ({best}) cut execution time by {100 * cut:.1f}% "
+                         f"(identical tokens: {rows[best]['identical_to_vanilla']}).")
+        else:
+            lines.append(f"Unlimited B: EAGLE-3 ({best}) cut execution time by {100 * cut:.1f}% "
+                         f"(identical tokens: {rows[best]['identical_to_vanilla']}).")
+    return lines
+
+
+def _fmt(v, spec=".3f"):
+    return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _markdown(report: dict) -> str:
+    md = ["# Two-budget experiment", "", "## Summary", "", *[f"- {line}" for line in report["summary"]], "",
+          "## Step 1: thinking budget B, speculation off", "",
+          "| B | accuracy | thinking tok | answer tok | TTFT ms | TPOT ms | e2e ms | exhausted | incomplete |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b, r in report["step1"].items():
+        md.append(f"| {b} | {_fmt(r['accuracy'])} | {r['thinking_tokens']:.1f} | {r['answer_tokens']:.1f} | "
+                  f"{r['ttft_ms']:.2f} | {r['tpot_ms']:.3f} | {r['e2e_ms']:.1f} | {r['budget_exhausted_rate']:.2f} | "
+                  f"{r['incomplete_rate']:.2f} |")
+    md += ["", "## Step 2: speculative budget K at each chosen B (greedy)", "",
+           "| B | mode | tok/s | speedup | TPOT ms | τ | τ thinking / answer | proposed / round | identical | "
+           "sampled accuracy (z) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b, rows in report["step2"].items():
+        for name, r in rows.items():
+            tau = _fmt(r.get("tau"), ".2f")
+            phases = f"{_fmt(r.get('tau_thinking'), '.2f')} / {_fmt(r.get('tau_answer'), '.2f')}"
+            sampled = "—" if "sampled_accuracy" not in r else f"{r['sampled_accuracy']:.3f} ({r['sampled_accuracy_z']:+.2f})"
+            md.append(f"| {b} | {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}× | {r['tpot_ms']:.3f} | "
+                      f"{tau} | {phases} | {_fmt(r.get('proposed_per_round'), '.1f')} | {r['identical_to_vanilla']} | "
+                      f"{sampled} |")
+    mem = report["peak_memory"]
+    md += ["", f"Peak memory: {mem['bytes'] / 2 ** 30:.2f} GiB ({mem['source']}).", ""]
+    return "\n".join(md)
+
+
+def _figures(report: dict, out_dir: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s1 = report["step1"]
+    labels = list(s1)
+    x = range(len(labels))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    series = [("accuracy", "accuracy"), ("thinking_tokens", "thinking tokens / request"), ("e2e_ms", "latency ms / request")]
+    for ax, (key, title) in zip(axes, series):
+        ax.plot(x, [np.nan if s1[b][key] is None else s1[b][key] for b in labels], marker="o")
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel("thinking budget B")
+        ax.set_title(title)
+    fig.suptitle("Quality, tokens and latency over the thinking budget (speculation off)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "quality_tokens_latency.png", dpi=110)
+    plt.close(fig)
+
+    s2 = report["step2"]
+    bs = list(s2)
+    modes = [m for m in s2[bs[0]] if m != "vanilla"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.8 * len(bs) + 2.5))
+    for ax, key, title in ((axes[0], "speedup", "speedup over vanilla"), (axes[1], "tau", "τ (tokens per round)")):
+        grid = np.array([[s2[b][m].get(key) or np.nan for m in modes] for b in bs], float)
+        im = ax.imshow(grid, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_yticks(range(len(bs)), bs)
+        ax.set_xlabel("speculative budget K")
+        ax.set_ylabel("thinking budget B")
+        ax.set_title(title)
+        for i in range(len(bs)):
+            for j in range(len(modes)):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out_dir / "budget_heatmap.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,32 @@
+"""A small, fast run of the two-budget experiment on the built-in pair: both steps, the
+report files, and the two attributions stated apart."""
+
+from __future__ import annotations
+
+import json
+
+from eagle3_jax.cli import main
+
+
+def test_experiment_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "exp"
+    rc = main(["experiment", "--num-prompts", "2", "--budgets", "0", "8", "unlimited", "--chosen", "8",
+               "--tree", "chain4", "--max-new-tokens", "48", "--sampled-temperature", "0.7", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["step1"]) == ["0", "8", "unlimited"]
+    s1 = report["step1"]
+    assert s1["0"]["thinking_tokens"] < s1["unlimited"]["thinking_tokens"]  # B bounds the work
+    assert s1["0"]["budget_exhausted_rate"] == 1.0 and s1["unlimited"]["budget_exhausted_rate"] == 0.0
+    rows = report["step2"]["8"]
+    assert set(rows) == {"vanilla", "chain4", "adaptive"}
+    assert all(r["identical_to_vanilla"] for r in rows.values())  # K never changes the tokens
+    assert rows["chain4"]["tau"] > 1 and "tier_rounds" in rows["adaptive"]
+    assert "sampled_accuracy_z" in rows["chain4"]
+    assert len(report["summary"]) == 1 and "Budget B=8 reduced target tokens by" in report["summary"][0]
+    assert "EAGLE-3" in report["summary"][0]
+    md = (out / "report.md").read_text()
+    assert "## Step 1" in md and "## Step 2" in md
+    for png in ("quality_tokens_latency.png", "budget_heatmap.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "Budget B=8" in capsys.readouterr().out
