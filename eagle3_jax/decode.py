@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, kv_cache, speculation
+from eagle3_jax import budget, kv_cache
+from eagle3_jax import speculation as policy
 from eagle3_jax.models.target import check_token_ids
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import Tree, TreeConfig, expand, forced_chain
@@ -65,7 +66,7 @@ class _State:
     step: jax.Array  # scalar round counter
     key: jax.Array
     think: "_Think | None" = None
-    ctl: "speculation.Controller | None" = None  # the speculative-budget policy
+    ctl: "policy.Controller | None" = None  # the speculative-budget policy
     round_tier: jax.Array | None = None  # [max_rounds] the tier each round ran
 
 
@@ -167,7 +168,7 @@ def _root_only(root_B) -> Tree:
 
 
 def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
-         round_cap, *, max_len: int,
+         round_cap, learned, *, max_len: int,
          max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig, spec: Speculation | None,
          thinking: budget.ThinkingConfig | None):
     target = nnx.merge(tgraph, tstate)
@@ -279,7 +280,7 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                 root=jnp.where(active, bonus, st.root),
                 last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
                 accept=st.accept.at[:, st.step].set(round_accept),
-                ctl=speculation.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
+                ctl=policy.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
                 round_tier=st.round_tier.at[st.step].set(tier))
             return _emit(st2, new, count, stops, max_new, thinking, st.step)
 
@@ -287,7 +288,8 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
         body = vanilla_round
     else:
         P_max = max(1 if t is None else t.path_len for t in spec.tiers)
-        st = dataclasses.replace(st, ctl=speculation.init(spec, round_ms_T), round_tier=jnp.zeros((max_rounds,), jnp.int32))
+        ctl = policy.init(spec, round_ms_T, learned)
+        st = dataclasses.replace(st, ctl=ctl, round_tier=jnp.zeros((max_rounds,), jnp.int32))
         body = spec_round
 
     def step(st):
@@ -298,6 +300,7 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
     out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
     if st.round_tier is not None:
         out["round_tier"] = st.round_tier
+        out["learned"] = policy.learned(st.ctl)
     if thinking is not None:
         out.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
                    round_thinking=st.think.round_thinking)
@@ -327,7 +330,9 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
         tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
         _COMPILED[cache_key] = _run_jit.lower(
             tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
-            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32), **dict(kw)).compile()
+            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32),
+            jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
+            **dict(kw)).compile()
         while len(_COMPILED) > COMPILE_CACHE_SIZE:
             _ROUND_MS.pop(id(_COMPILED.popitem(last=False)[1]), None)
     return _COMPILED[cache_key]
@@ -568,15 +573,19 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
     dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
     compiled = _compiled(tgraph, dgraph, req.prompt_BxT.shape, req.kw, tstate, dstate)
     n_tiers = 1 if spec is None else len(spec.tiers)
+    learned = policy.recall((tgraph, dgraph, spec)) or policy.fresh(spec or _NO_SPEC)
     args = (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed),
             jnp.asarray(req.budget_B), jnp.asarray(req.phase_B), jnp.ones((n_tiers,), jnp.float32), jnp.int32(-1),
-            jnp.int32(dict(req.kw)["max_new"]))
+            jnp.int32(dict(req.kw)["max_new"]), learned)
     round_ms = req.round_ms
     if round_ms is None and spec is not None and spec.policy == "adaptive":
         round_ms = _round_ms(compiled, args, n_tiers)
     if round_ms is not None:
         args = args[:7] + (jnp.asarray(round_ms, jnp.float32),) + args[8:]
     return compiled, args, req
+
+
+_NO_SPEC = Speculation((None,), policy="fixed")
 
 
 def _round_ms(compiled, args, n_tiers: int, rounds: int = 16, repeats: int = 2) -> tuple[float, ...]:
@@ -587,7 +596,7 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 16, repeats: int = 2) 
         return _ROUND_MS[id(compiled)]
 
     def seconds(tier: int, cap: int):
-        call = args[:8] + (jnp.int32(tier), jnp.int32(cap))
+        call = args[:8] + (jnp.int32(tier), jnp.int32(cap)) + args[10:]
         res = jax.block_until_ready(compiled(*call))
         best = float("inf")
         for _ in range(repeats):
@@ -646,7 +655,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     start = time.perf_counter()
     res = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
-    res = {k: np.asarray(v) for k, v in res.items()}
+    if "learned" in res and req.spec.policy == "adaptive":
+        policy.remember((nnx.graphdef(target), nnx.graphdef(drafter), req.spec), res["learned"])
+    res = {k: np.asarray(v) for k, v in res.items() if k != "learned"}
     n_out = res["n_out"]
     tokens = [res["out"][b, : n_out[b]].tolist() for b in range(n_out.shape[0])]
     stats = _stats(res, seconds, req.spec)
@@ -702,7 +713,7 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
     new_tokens = int(n_out.sum())
     stats = _round_stats(accept, np.ones_like(accept, bool), proposed_R, positions)
     ran = (accept != -1).any(0)
-    names = [speculation.tier_name(t) for t in tiers]
+    names = [policy.tier_name(t) for t in tiers]
     stats.update({
         "forced_rounds": int((accept == -2).sum()),
         "committed": new_tokens,

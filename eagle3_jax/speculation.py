@@ -112,12 +112,26 @@ class Controller:
     round_ms: jax.Array  # [T] milliseconds per round, per tier
 
 
-def init(spec: Speculation, round_ms) -> Controller:
+def fresh(spec: Speculation) -> dict:
+    """What the policy knows before any round: nothing (``learned`` of a new controller)."""
     D, T = max(spec.positions, 1), len(spec.tiers)
-    f = lambda n: jnp.zeros((n,), jnp.float32)  # noqa: E731
+    return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
+            "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool)}
+
+
+def learned(ctl: Controller) -> dict:
+    """The estimates a later call may start from (its round costs are measured anew)."""
+    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "mean": ctl.mean, "tried": ctl.tried}
+
+
+def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
+    """A controller for a new call, from ``prior`` (``learned`` of an earlier call with the
+    same models and tiers: no second warm-up) or from nothing; picks its first tier."""
+    prior = fresh(spec) if prior is None else prior
     start = 0 if spec.policy == "fixed" else _warmup_tier(spec)
-    return Controller(jnp.int32(start), jnp.int32(0), jnp.int32(0), f(D), f(D), f(T), jnp.zeros((T,), bool),
-                      jnp.asarray(round_ms, jnp.float32))
+    ctl = Controller(jnp.int32(start), jnp.int32(spec.cooldown), prior["rounds"], prior["hits"], prior["trials"],
+                     prior["mean"], prior["tried"], jnp.asarray(round_ms, jnp.float32))
+    return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
 
 def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Controller:
@@ -178,6 +192,24 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     best = jnp.argmax(jnp.where(allowed, rate, -jnp.inf)).astype(jnp.int32)
     warming = ctl.rounds < spec.warmup
     warm_tier = jnp.int32(_warmup_tier(spec))
-    switch = (ctl.since >= spec.cooldown) & (best != ctl.tier)
+    switch = ((ctl.since >= spec.cooldown) | (ctl.rounds == spec.warmup)) & (best != ctl.tier)  # free after warm-up
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
     return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since))
+
+
+# What the adaptive policy learned (acceptance, tokens per round per tier), per (models,
+# tiers): a later call starts from it instead of warming up again.  Speed only, never output.
+_LEARNED: dict = {}
+
+
+def remember(key, learned_state: dict):
+    _LEARNED[key] = learned_state
+
+
+def recall(key) -> dict | None:
+    return _LEARNED.get(key)
+
+
+def forget():
+    """Drops every learned estimate: the next adaptive call warms up again."""
+    _LEARNED.clear()

@@ -15,6 +15,15 @@ ROOT = Path(__file__).parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
+def _refused(error, fn, path, named):
+    """``fn(path)`` raises ``error`` whose message names the file and each of ``named``."""
+    with pytest.raises(error) as e:
+        fn(path)
+    assert str(path) in str(e.value)
+    for part in named:
+        assert part in str(e.value), str(e.value)
+
+
 # ------------------------------------------------------------------ config and overrides
 @pytest.mark.parametrize("override, named", [
     ("fit.lrr=1e-4", ["'fit.lrr'", "did you mean 'fit.lr'"]),  # misspelt key: the closest known one
@@ -55,11 +64,7 @@ def test_bad_override_is_refused(override, named):
 def test_bad_config_file_is_refused(tmp_path, text, named):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError) as e:
-        pipeline.load_config(path)
-    assert str(path) in str(e.value)
-    for part in named:
-        assert part in str(e.value), str(e.value)
+    _refused(ValueError, pipeline.load_config, path, named)
 
 
 def test_missing_config_file(tmp_path):
@@ -115,11 +120,7 @@ def test_fit_config_checks_types_and_ranges():
 def test_bad_conversations_name_file_and_record(tmp_path, name, content, error, named):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(error) as e:
-        data.load_conversations(path)
-    assert str(path) in str(e.value)
-    for part in named:
-        assert part in str(e.value), str(e.value)
+    _refused(error, data.load_conversations, path, named)
 
 
 def test_conversations_file_missing_or_directory(tmp_path):

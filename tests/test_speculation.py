@@ -11,11 +11,17 @@ import pytest
 import eagle3_jax
 from eagle3_jax import builtin
 from eagle3_jax.decode import encode_chat
+from eagle3_jax import speculation
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
 from helpers import FIXTURES
 
 TIERS = (None, TreeConfig.chain(4), TreeConfig(16, 4, 4))
+
+
+@pytest.fixture(autouse=True)
+def _no_learned_estimates():
+    speculation.forget()  # each test sees its warm-up
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +129,20 @@ def test_bad_round_ms_and_speculation_type(pair):
                             round_ms=(1.0, -1.0, 2.0))
     with pytest.raises(TypeError, match="speculation"):
         eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation="adaptive")
+
+
+def test_learned_estimates_carry_over_to_the_next_call(pair):
+    """A second call with the same models and tiers starts from what the first learned: no
+    second warm-up (and the same tokens)."""
+    target, drafter, _, prompts = pair
+    spec = Speculation(TIERS, warmup=3, cooldown=2)
+    first = eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=64, speculation=spec,
+                                round_ms=(1.0, 1.0, 100.0))
+    assert first.stats["tier_per_round"][:3] == ["chain4"] * 3
+    second = eagle3_jax.generate(target, drafter, prompts[1:2], max_new_tokens=64, speculation=spec,
+                                 round_ms=(1.0, 100.0, 1.0))  # now trees are cheap: switched at once
+    assert second.stats["tier_per_round"][0] == "16,4,4"
+    speculation.forget()
+    third = eagle3_jax.generate(target, drafter, prompts[1:2], max_new_tokens=64, speculation=spec,
+                                round_ms=(1.0, 100.0, 1.0))
+    assert third.stats["tier_per_round"][:3] == ["chain4"] * 3 and third.tokens == second.tokens
