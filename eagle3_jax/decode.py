@@ -213,21 +213,20 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
         """Tier ``tree``'s draft and verification (``None``: nothing drafted); the caches are only
         read.  Returns the accepted path's data, padded to the largest tier's path: node ids,
         accepted count, bonus, the token after each node, its target features and keys/values."""
-        st, sub = operand
-        active = ~st.done
+        root, last_hidden, tcache, dcache, force, active, sub = operand  # only what a proposal reads
         forcing, n_forced = jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32)
         with jax.named_scope("draft"):
-            t = _root_only(st.root) if tree is None else expand(drafter, st.dcache, st.last_hidden, st.root, tree)
+            t = _root_only(root) if tree is None else expand(drafter, dcache, last_hidden, root, tree)
             F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
             if thinking is not None and F:  # sequences forcing E commit it as a chain instead of a draft
-                forcing = active & (st.think.force >= 0)
-                start = jnp.maximum(st.think.force, 0)
+                forcing = active & (force >= 0)
+                start = jnp.maximum(force, 0)
                 n_forced = jnp.clip(m - start, 0, F)
                 ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
-                chain = forced_chain(st.root, ids, n_forced, tree)
+                chain = forced_chain(root, ids, n_forced, tree)
                 t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
         with jax.named_scope("verify"):
-            logits, feats, new_kv = target.forward(t.tokens, st.tcache.lengths[:, None] + t.depth, cache=st.tcache,
+            logits, feats, new_kv = target.forward(t.tokens, tcache.lengths[:, None] + t.depth, cache=tcache,
                                                    region_mask_BxTxR=t.mask)
             path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
             node = jnp.maximum(path, 0)
@@ -248,8 +247,10 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
         key, sub = jax.random.split(st.key)
         tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
         branches = [functools.partial(propose, tree=t) for t in spec.tiers]
+        operand = (st.root, st.last_hidden, st.tcache, st.dcache,
+                   think.force if thinking is not None else jnp.full((B,), -1, jnp.int32), active, sub)
         path, accepted, bonus, drafted, path_feats, path_kv, n_forced = (
-            branches[0]((st, sub)) if len(branches) == 1 else jax.lax.switch(tier, branches, (st, sub)))
+            branches[0](operand) if len(branches) == 1 else jax.lax.switch(tier, branches, operand))
         j = jnp.arange(P_max)[None]
         if thinking is not None:
             forcing = active & (think.force >= 0)
