@@ -35,7 +35,8 @@ class GenerateResult:
     (per draft position i: P(position i accepted | positions < i accepted)),
     ``proposed`` / ``accepted`` / ``committed`` token counts, ``new_tokens``,
     ``forced_rounds``, ``seconds`` and ``tokens_per_second`` (wall clock, compilation
-    excluded); with a thinking phase, ``phases`` holds the round statistics and committed
+    excluded); with a drafter, ``tier_per_round`` / ``tier_rounds`` (the speculation tier
+    each round ran); with a thinking phase, ``phases`` holds the round statistics and committed
     tokens of the ``thinking`` and ``answer`` phases (they sum to the totals).
 
     Per sequence: ``thinking_tokens`` / ``answer_tokens`` (summing to its length),
