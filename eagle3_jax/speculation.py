@@ -178,11 +178,12 @@ def expected_tokens(ctl: Controller, spec: Speculation):
 
 
 def _warmup_tier(spec: Speculation) -> int:
-    """The longest chain (its rounds inform every draft position of every chain), else the
-    first drafting tier."""
-    chains = [(t.path_len, i) for i, t in enumerate(spec.tiers) if t is not None and t.top_k == 1]
-    drafting = [i for i, t in enumerate(spec.tiers) if t is not None]
-    return max(chains)[1] if chains else (drafting[0] if drafting else 0)
+    """The longest allowed chain (its rounds inform every draft position of every chain), else
+    the first allowed drafting tier, else ``min_tier``."""
+    allowed = [(i, t) for i, t in enumerate(spec.tiers) if spec.min_tier <= i <= spec.max_tier]
+    chains = [(t.path_len, i) for i, t in allowed if t is not None and t.top_k == 1]
+    drafting = [i for i, t in allowed if t is not None]
+    return max(chains)[1] if chains else (drafting[0] if drafting else spec.min_tier)
 
 
 def _choose(ctl: Controller, spec: Speculation) -> Controller:
@@ -202,8 +203,14 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
 _LEARNED: dict = {}
 
 
+_LEARNED_SIZE = 64  # (models, tiers) pairs kept, oldest dropped first
+
+
 def remember(key, learned_state: dict):
+    _LEARNED.pop(key, None)
     _LEARNED[key] = learned_state
+    while len(_LEARNED) > _LEARNED_SIZE:
+        _LEARNED.pop(next(iter(_LEARNED)))
 
 
 def recall(key) -> dict | None:
