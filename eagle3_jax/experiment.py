@@ -133,22 +133,23 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(
         if key not in results:
             results[key] = _run(target, drafter, prompts, budget=b, mode=mode, batch_size=batch_size,
                                 max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
+    summaries = {key: _summary_row(r, grade) for key, r in results.items()}  # each run graded once
     report = {"settings": {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                            "budgets": [_label(b) for b in budgets], "chosen": [_label(b) for b in chosen],
                            "tiers": [tier_name(t) for t in tiers], "sampled_temperature": sampled_temperature},
-              "step1": {_label(b): _summary_row(results[(b, "vanilla", 0.0)], grade) for b in budgets}, "step2": {}}
+              "step1": {_label(b): summaries[(b, "vanilla", 0.0)] for b in budgets}, "step2": {}}
     for b in chosen:
-        base = results[(b, "vanilla", 0.0)]
+        base = summaries[(b, "vanilla", 0.0)]
         rows = {}
         for mode in modes:
             name = _mode_name(mode)
             r = results[(b, name, 0.0)]
-            row = {**_summary_row(r, grade), "identical_to_vanilla": r["tokens"] == base["tokens"]}
+            row = {**summaries[(b, name, 0.0)], "identical_to_vanilla": r["tokens"] == results[(b, "vanilla", 0.0)]["tokens"]}
             if mode is not None:
                 row.update(_speculation_row(r))
-            row["speedup"] = row["tokens_per_second"] / _summary_row(base, grade)["tokens_per_second"]
+            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
             if sampled_temperature and grade is not None:
-                sv, sm = (_summary_row(results[(b, n, sampled_temperature)], grade)["accuracy"] for n in ("vanilla", name))
+                sv, sm = (summaries[(b, n, sampled_temperature)]["accuracy"] for n in ("vanilla", name))
                 row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, _z(sm, sv, len(prompts))
             rows[name] = row
         report["step2"][_label(b)] = rows
