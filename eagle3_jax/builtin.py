@@ -133,7 +133,7 @@ def load(dtype: str = "float32", attention_impl: str = "xla"):
     from eagle3_jax.checkpoint import load_drafter, load_target
 
     if not available():
-        raise FileNotFoundError(f"the built-in pair is missing under {ASSETS}; rebuild it with `python -m train.builtin`")
+        raise FileNotFoundError(f"the built-in pair is missing under {ASSETS}; rebuild it with `python -m eagle3_jax.train.builtin`")
     target = load_target(TARGET_DIR, dtype=dtype, attention_impl=attention_impl)
     drafter = load_drafter(DRAFTER_DIR, target=target, dtype=dtype)
     return target, drafter, AutoTokenizer.from_pretrained(str(TARGET_DIR), local_files_only=True)

@@ -317,7 +317,7 @@ def write_atomic(path: Path, text: str):
 
 
 def _cmd_train(args) -> int:
-    from train import pipeline
+    from eagle3_jax.train import pipeline
 
     cfg = pipeline.load_config(args.config, args.overrides)
     pipeline.run(args.step, cfg, resume=not args.no_resume)

@@ -181,7 +181,7 @@ def self_attention(p, x_BxTxE, cos, sin, kv, layer, prefix_len_B, region_mask_Bx
         out = attention(q, kv, layer, prefix_len_B, k, v, region_mask_BxTxR, scale=head_dim ** -0.5,
                         region_kv=region_kv)
     elif impl in _INTERPRET:
-        from pallas_kernels import tree_attention
+        from eagle3_jax.pallas_kernels import tree_attention
 
         if region_kv is not None:
             raise ValueError(f"attention_impl={impl!r} does not take region_kv")

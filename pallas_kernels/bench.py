@@ -1,7 +1,7 @@
 """Tree-attention benchmark: kernel vs jnp reference, achieved HBM bandwidth vs peak.
 
-    python -m pallas_kernels.bench                        # full grid on the default accelerator
-    python -m pallas_kernels.bench --quick --interpret gpu  # smoke run of a kernel on the CPU
+    python -m eagle3_jax.pallas_kernels.bench                        # full grid on the default accelerator
+    python -m eagle3_jax.pallas_kernels.bench --quick --interpret gpu  # smoke run of a kernel on the CPU
 
 The kernel is the one ``tree_attention.attention`` dispatches to (Mosaic TPU on a TPU,
 Mosaic GPU on a Hopper GPU for bfloat16); elsewhere only the reference is timed.
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.tree_attention import pick_kernel, tree_attention_ref
+from eagle3_jax.pallas_kernels.tree_attention import pick_kernel, tree_attention_ref
 
 PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765, "TPU v5": 2765, "TPU v6 lite": 1640,
              "TPU v6e": 1640, "H100": 3350, "H200": 4800, "A100": 2039}

@@ -188,7 +188,7 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None):
     head_dim 64/128.  ``interpret="tpu"`` / ``"gpu"`` returns that kernel in its CPU
     interpreter.
     """
-    from pallas_kernels import tree_attention_mgpu as mgpu  # here: it imports this module
+    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu  # here: it imports this module
 
     if interpret not in (None, "tpu", "gpu"):
         raise ValueError(f"interpret={interpret!r}: expected None, 'tpu' or 'gpu'")

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_attention import rows_by_kv_head, rows_to_tokens, stacked_cache
+from eagle3_jax.pallas_kernels.tree_attention import rows_by_kv_head, rows_to_tokens, stacked_cache
 
 BLOCK_Q = 64  # one warpgroup's WGMMA M tile
 MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import FIXTURES
-from train import data, pipeline
-from train.trainer import FitConfig
+from eagle3_jax.train import data, pipeline
+from eagle3_jax.train.trainer import FitConfig
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -254,7 +254,7 @@ def test_trainer_refuses_to_start_over_an_old_run(tmp_path):
     """The API guard behind it: a Trainer that restores nothing will not write into a
     work_dir holding another run's checkpoints or best/ (no step is compiled)."""
     import eagle3_jax
-    from train.trainer import Trainer
+    from eagle3_jax.train.trainer import Trainer
 
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     rng = np.random.default_rng(0)

@@ -162,9 +162,9 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
 
 # ---------------------------------------------------------------- the recipe, scaled down
 def test_recipe_runs_end_to_end_scaled_down(tmp_path):
-    """Every stage of `python -m train.builtin` on a tiny budget: the code path the shipped
+    """Every stage of `python -m eagle3_jax.train.builtin` on a tiny budget: the code path the shipped
     pair came from (tokenizer → target → export → drafter pipeline → metrics)."""
-    from train import builtin as recipe_mod
+    from eagle3_jax.train import builtin as recipe_mod
 
     recipe = recipe_mod.Recipe(vocab_size=512, hidden_size=64, num_layers=8, intermediate_size=128, num_heads=2,
                                num_kv_heads=1, target_tasks=300, target_steps=3, warmup_steps=1, seq_len=64, drafter_conversations=16,

@@ -11,7 +11,7 @@ import numpy as np
 
 import eagle3_jax
 from helpers import FIXTURES
-from train.trainer import FitConfig, Trainer
+from eagle3_jax.train.trainer import FitConfig, Trainer
 
 ROOT = Path(__file__).parent.parent
 
@@ -27,7 +27,7 @@ def test_mesh_step_equals_single_device(tmp_path):
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         import eagle3_jax
         from eagle3_jax.sharding import make_mesh
-        from train.trainer import FitConfig, Trainer
+        from eagle3_jax.train.trainer import FitConfig, Trainer
         from test_train import _records
         from helpers import FIXTURES
         assert len(jax.devices()) == 8
@@ -83,8 +83,8 @@ def test_end_to_end_pipeline(tmp_path):
     from safetensors.numpy import load_file
 
     from eagle3_jax.cli import main
-    from train import pipeline
-    from train.tiny import arithmetic_conversations, arithmetic_corpus, build_tokenizer, held_out_taus
+    from eagle3_jax.train import pipeline
+    from eagle3_jax.train.tiny import arithmetic_conversations, arithmetic_corpus, build_tokenizer, held_out_taus
 
     tok = build_tokenizer(tmp_path / "tok", arithmetic_corpus(), vocab_size=1024)
     assert len(tok) == 1024
@@ -126,7 +126,7 @@ def test_offline_cache_trains_like_online(tmp_path):
 
 
 def test_length_buckets_cut_batches():
-    from train import data
+    from eagle3_jax.train import data
 
     recs = _records(n=32, T=40)
     recs["lengths"] = np.array([10] * 16 + [35] * 16, np.int32)

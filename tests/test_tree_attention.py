@@ -11,8 +11,8 @@ import pytest
 
 import eagle3_jax
 from helpers import FIXTURES
-from pallas_kernels.tree_attention import pick_kernel, tree_attention, tree_attention_ref
-from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
+from eagle3_jax.pallas_kernels.tree_attention import pick_kernel, tree_attention, tree_attention_ref
+from eagle3_jax.pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 
 def _masks(kind, rng, B, T):
@@ -169,7 +169,7 @@ def test_generate_with_gpu_kernel_is_token_identical():
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_bench_entry_point_runs(capsys, backend):
-    from pallas_kernels import bench
+    from eagle3_jax.pallas_kernels import bench
 
     bench.main(["--quick", "--interpret", backend])
     out = capsys.readouterr().out

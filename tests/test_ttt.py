@@ -8,7 +8,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax import layers
 from helpers import FIXTURES
-from train.ttt import ttt_loss
+from eagle3_jax.train.ttt import ttt_loss
 
 
 def _softmax(x):
@@ -89,7 +89,7 @@ def test_ttt_steps_equal_the_inference_chain():
     """Training-time test simulates inference exactly: the hidden of TTT step s at index t
     equals the drafter's depth-s draft (teacher-forced) after committed context 0..t."""
     from eagle3_jax.kv_cache import advance
-    from train.ttt import shift_left, ttt_attention
+    from eagle3_jax.train.ttt import shift_left, ttt_attention
 
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     d = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)

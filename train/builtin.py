@@ -1,7 +1,7 @@
 """The recipe of the built-in pair (``eagle3_jax.builtin``): one command retrains the
 reasoning target and its EAGLE-3 drafter from scratch on a CPU, then reports their metrics.
 
-    python -m train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
+    python -m eagle3_jax.train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
 
 Stages (each resumes from ``work_dir`` when re-run): a byte-level BPE tokenizer trained on
 the task text; the target, a 16-layer Llama trained as a causal LM on generated tasks
@@ -58,7 +58,7 @@ class Recipe:
 
 # ------------------------------------------------------------------ tokenizer
 def build_tokenizer(work: Path, recipe: Recipe):
-    from train.tiny import build_tokenizer as bpe
+    from eagle3_jax.train.tiny import build_tokenizer as bpe
 
     if (work / "tokenizer" / "tokenizer.json").exists():
         from transformers import AutoTokenizer
@@ -94,7 +94,7 @@ def target_config(recipe: Recipe, tok):
 
 def lm_stream(convs, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All conversations back to back: ``(ids, loss_mask, example_starts)``."""
-    from train.data import tokenize
+    from eagle3_jax.train.data import tokenize
 
     pairs = [tokenize(tok, c) for c in tqdm(convs, desc="tokenize")]
     starts = np.cumsum([0] + [len(i) for i, _ in pairs[:-1]])
@@ -173,7 +173,7 @@ def export_target(model, tok, path: Path):
 # ------------------------------------------------------------------ drafter
 def train_drafter(work: Path, recipe: Recipe, overrides=()):
     """The project's own pipeline on the exported target: regenerate → vocab → fit → export."""
-    from train import pipeline
+    from eagle3_jax.train import pipeline
 
     data = work / "drafter_conversations.jsonl"
     with open(data, "w") as f:

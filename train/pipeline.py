@@ -39,12 +39,12 @@ DEFAULTS = {
     "distributed": False,      # jax.distributed.initialize() (multi-host pods)
     "regenerate": {"enabled": True, "max_new_tokens": 512, "temperature": 0.0, "batch_size": 8},
     "drafter": {"init": None, "seed": 0},
-    "fit": {},                 # train.trainer.FitConfig fields (its defaults)
+    "fit": {},                 # eagle3_jax.train.trainer.FitConfig fields (its defaults)
     "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
     "export_dir": None,        # default: work_dir/export
 }
 
-# allowed ranges of the keys outside ``fit`` (FitConfig checks its own: train.trainer.FIT_LIMITS)
+# allowed ranges of the keys outside ``fit`` (FitConfig checks its own: eagle3_jax.train.trainer.FIT_LIMITS)
 LIMITS = {"seq_len": (">=", 2), "draft_vocab_size": (">=", 1), "dtype": ("in", ("float32", "bfloat16", "float16")),
           "regenerate.max_new_tokens": (">=", 1), "regenerate.temperature": (">=", 0), "regenerate.batch_size": (">=", 1),
           "drafter.seed": (">=", 0), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
@@ -62,7 +62,7 @@ _TRUE, _FALSE, _NULL = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), 
 def schema() -> dict[str, type | None]:
     """Every config key, dotted (``fit.lr``), → its type: ``int``, ``float``, ``bool``, ``str``,
     ``tuple`` (of ints) or ``None`` (an optional path)."""
-    from train.trainer import FitConfig
+    from eagle3_jax.train.trainer import FitConfig
 
     hints = typing.get_type_hints(FitConfig)
     out = {}
@@ -81,7 +81,7 @@ def load_config(path: str | Path, overrides=()) -> dict:
     """YAML config merged over the defaults, then ``a.b=value`` overrides; every value read
     as its key's type (:func:`schema`) and range-checked.  Raises ``ValueError`` naming the
     key (unknown keys with the closest known ones) and where it came from."""
-    from train.trainer import FitConfig, out_of_range
+    from eagle3_jax.train.trainer import FitConfig, out_of_range
 
     path = Path(path)
     kinds = schema()
@@ -175,7 +175,7 @@ def _check_known(key: str, kinds: dict, where: str):
 
 def _coerce(key: str, value, kind, origin: str):
     """``value`` (a YAML value or an override's text) as ``kind`` (see :func:`schema`)."""
-    from train.trainer import KIND_NAMES
+    from eagle3_jax.train.trainer import KIND_NAMES
 
     text = value.strip() if isinstance(value, str) else None
     if kind is tuple:  # of ints: a YAML list, "[8, 16]" or "8,16"
@@ -356,7 +356,7 @@ def _target(cfg):
 
 
 def _prepare(cfg, work: Path, **_):
-    from train import data
+    from eagle3_jax.train import data
 
     convs = data.load_conversations(cfg["data"])
     records = data.prepare(convs, _tokenizer(cfg), cfg["seq_len"], last_turn_only=cfg["last_turn_only"])
@@ -366,7 +366,7 @@ def _prepare(cfg, work: Path, **_):
 
 
 def _regenerate(cfg, work: Path, **_):
-    from train import data
+    from eagle3_jax.train import data
 
     if not cfg["regenerate"]["enabled"]:
         shutil.copy(work / "prepared.npz", work / "regenerated.npz")
@@ -383,7 +383,7 @@ def _regenerate(cfg, work: Path, **_):
 def _vocab(cfg, work: Path, **_):
     from eagle3_jax.config import read_config_json
     from eagle3_jax.vocab import build_vocab_map
-    from train import data
+    from eagle3_jax.train import data
 
     records = data.load_records(work / "regenerated.npz")
     vocab = int(read_config_json(cfg["target"])["vocab_size"])
@@ -410,8 +410,8 @@ def new_drafter(target, d2t, *, draft_vocab_size: int, seed: int = 0):
 def _fit(cfg, work: Path, *, resume: bool = True):
     import eagle3_jax
     from eagle3_jax.sharding import make_mesh
-    from train import data
-    from train.trainer import FitConfig, Trainer
+    from eagle3_jax.train import data
+    from eagle3_jax.train.trainer import FitConfig, Trainer
 
     target = _target(cfg)
     vocab = np.load(work / "vocab.npz")

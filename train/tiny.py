@@ -2,7 +2,7 @@
 tokenizer trained here to the golden target's vocabulary (1024), the whole pipeline with
 ``configs/tiny.yaml``, then τ of the exported drafter vs an untrained one on held-out prompts.
 
-    python -m train.tiny --conversations 600 --work-dir runs/tiny fit.steps=1200 fit.save_every=200
+    python -m eagle3_jax.train.tiny --conversations 600 --work-dir runs/tiny fit.steps=1200 fit.save_every=200
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def held_out_taus(target, drafters: dict, tokenizer, *, prompts: int = 32, max_n
 
 def main(argv=None):
     import eagle3_jax
-    from train import pipeline
+    from eagle3_jax.train import pipeline
 
     p = argparse.ArgumentParser(description="tiny offline drafter training run")
     p.add_argument("--conversations", type=int, default=600)

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from eagle3_jax import sharding
 from eagle3_jax.checkpoint import save_drafter
 from eagle3_jax.models import drafter as drafter_mod, target as target_mod
-from train import data
-from train.ttt import ttt_loss
+from eagle3_jax.train import data
+from eagle3_jax.train.ttt import ttt_loss
 
 
 @dataclasses.dataclass(frozen=True)
