@@ -23,7 +23,7 @@ from eagle3_jax import speculation as policy
 from eagle3_jax.models.target import check_token_ids
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import Tree, TreeConfig, expand, forced_chain
-from eagle3_jax.verify import SamplingConfig, sample, verify
+from eagle3_jax.verify import RowSampling, SamplingConfig, sample, verify
 
 
 @dataclasses.dataclass
@@ -56,19 +56,25 @@ class GenerateResult:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _State:
+    """The loop's carry: caches, per-row outputs and round records, the policy's state."""
+
     tcache: kv_cache.KVCache
     dcache: kv_cache.KVCache | None
     root: jax.Array  # [B] next token to feed (emitted, not yet in the target cache)
     last_hidden: jax.Array | None  # [B, H] drafter output at the last committed position
-    out: jax.Array  # [B, max_new]
+    out: jax.Array  # [B, W] emitted tokens
     n_out: jax.Array  # [B]
     done: jax.Array  # [B]
-    accept: jax.Array  # [B, max_rounds] accepted draft tokens per round (-1 = no round, -2 = a forced round)
-    step: jax.Array  # scalar round counter
-    key: jax.Array
+    accept: jax.Array  # [B, W] accepted draft tokens per round of the row (-1 = no round, -2 = a forced round)
+    rounds: jax.Array  # [B] rounds each row has run (its index into ``accept``)
+    step: jax.Array  # scalar: rounds this loop has run
+    key: jax.Array  # [B] one PRNG key per row
+    stops: jax.Array  # [B, S] stop ids per row (-1 padded)
+    limit: jax.Array  # [B] the most new tokens of each row (<= W)
+    sampling: RowSampling | None = None  # per-row sampling (None: the loop's static one)
     think: "_Think | None" = None
     ctl: "policy.Controller | None" = None  # the speculative-budget policy
-    round_tier: jax.Array | None = None  # [max_rounds] the tier each round ran
+    round_tier: jax.Array | None = None  # [B, W] the tier each round of a row ran
 
 
 @jax.tree_util.register_dataclass
@@ -82,29 +88,66 @@ class _Think:
     thinking: jax.Array  # [B] committed thinking tokens (reported)
     force: jax.Array  # [B] index in E of the next forced token to emit, -1 when not forcing
     forced: jax.Array  # [B] the budget forced the end of thinking
-    round_thinking: jax.Array  # [B, max_rounds] the round's first committed token is thinking
+    round_thinking: jax.Array  # [B, W] the round's first committed token is thinking
 
 
-def _emit(st: _State, new_BxP, count_B, stop_ids, max_new: int, thinking=None, round_index=None) -> _State:
-    """Appends ``new[:, :count]`` to the output, truncating at a stop token or max_new, and
-    counts the appended tokens' thinking phase (``round_index``: the round they belong to)."""
-    P = new_BxP.shape[1]
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What a compiled loop is specialised on besides shapes.
+
+    ``width``: output slots per row (the most new tokens, and rounds, of a row); ``sampling``:
+    one static ``SamplingConfig`` for every row, or ``None`` for per-row arrays in the state
+    (the slot engine); ``spec``: the speculation tiers (``None``: vanilla decoding)."""
+
+    width: int
+    sampling: SamplingConfig | None
+    spec: Speculation | None
+    thinking: budget.ThinkingConfig | None
+
+    @property
+    def path_max(self) -> int:
+        return max(1 if t is None else t.path_len for t in self.spec.tiers)
+
+    @property
+    def burst(self) -> int:
+        """Target steps per ``None``-tier burst: the policy's cooldown, within the scratch slots
+        the drafter's catch-up writes past the prefix."""
+        return min(self.spec.cooldown, self.spec.scratch)
+
+
+def _sampling(st: _State, loop: _Loop):
+    return loop.sampling if loop.sampling is not None else st.sampling
+
+
+def _split(key_B):
+    """Per-row key splits: ``(next keys, keys to use now)``."""
+    ks = jax.vmap(jax.random.split)(key_B)
+    return ks[:, 0], ks[:, 1]
+
+
+def _emit(st: _State, new_BxP, count_B, loop: _Loop, round_B=None) -> _State:
+    """Appends ``new[:, :count]`` to the output, truncating at a stop token or the row's limit,
+    and counts the appended tokens' thinking phase (``round_B``: the round they belong to)."""
+    B, P = new_BxP.shape
     j = jnp.arange(P)[None]
-    is_stop = jnp.isin(new_BxP, stop_ids) & (j < count_B[:, None])
+    is_stop = (new_BxP[:, :, None] == st.stops[:, None, :]).any(-1) & (j < count_B[:, None])
     has_stop = is_stop.any(1)
     first_stop = jnp.where(has_stop, jnp.argmax(is_stop, 1) + 1, P)
-    n = jnp.minimum(jnp.minimum(count_B, first_stop), max_new - st.n_out)
+    n = jnp.minimum(jnp.minimum(count_B, first_stop), st.limit - st.n_out)
     n = jnp.where(st.done, 0, n)
-    slots = jnp.where(j < n[:, None], st.n_out[:, None] + j, max_new)  # max_new = dropped
-    out = st.out.at[jnp.arange(new_BxP.shape[0])[:, None], slots].set(new_BxP, mode="drop")
+    W = st.out.shape[1]
+    slots = jnp.where(j < n[:, None], st.n_out[:, None] + j, W)  # W = dropped
+    out = st.out.at[jnp.arange(B)[:, None], slots].set(new_BxP, mode="drop")
     n_out = st.n_out + n
-    done = st.done | (has_stop & (first_stop <= n)) | (n_out >= max_new)
+    done = st.done | (has_stop & (first_stop <= n)) | (n_out >= st.limit)
     think = st.think
-    if thinking is not None:
-        phase, content, count, first = budget.account(new_BxP, n, think.phase, think.content, think.thinking, thinking)
+    if loop.thinking is not None:
+        phase, content, count, first = budget.account(new_BxP, n, think.phase, think.content, think.thinking,
+                                                      loop.thinking)
         think = dataclasses.replace(think, phase=phase, content=content, thinking=count)
-        if round_index is not None:
-            think = dataclasses.replace(think, round_thinking=think.round_thinking.at[:, round_index].set(first & (n > 0)))
+        if round_B is not None:
+            think = dataclasses.replace(think, round_thinking=think.round_thinking.at[jnp.arange(B), round_B].set(
+                first & (n > 0), mode="drop"))
     return dataclasses.replace(st, out=out, n_out=n_out, done=done, think=think)
 
 
@@ -129,36 +172,41 @@ def _budget_cut(think: _Think, cand_BxP, count_B, active_B, prev_B, thinking: bu
     return keep, hit, token, jnp.where(hit, force, think.force)
 
 
-def _prefill(target, drafter, prompt_BxT, lengths_B, key, think0, *, max_len: int, max_new: int, stops, sampling,
-             thinking) -> _State:
-    """Runs the prompts through the target (and the drafter) and emits the first token."""
+def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, stops_BxS, limit_B, rows, *,
+             cache_len: int, loop: _Loop) -> _State:
+    """Runs the prompts through the target (and the drafter) into fresh caches of
+    ``cache_len`` slots and emits the first token of each row."""
     B, T = prompt_BxT.shape
     bidx = jnp.arange(B)
+    W, thinking = loop.width, loop.thinking
+    think = None
+    if thinking is not None:
+        zeros = jnp.zeros((B,), jnp.int32)
+        think = _Think(budget_B, phase_B, zeros, zeros, jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), bool),
+                       jnp.zeros((B, W), bool))
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    logits, feats, tcache = target(prompt_BxT, pos, cache=target.init_cache(B, max_len))
+    logits, feats, tcache = target(prompt_BxT, pos, cache=target.init_cache(B, cache_len))
     tcache = kv_cache.advance(tcache, lengths_B)
-    key, sub = jax.random.split(key)
-    first = sample(sub, logits[bidx, lengths_B - 1], sampling)
+    key_B, sub = _split(key_B)
+    first = sample(sub, logits[bidx, lengths_B - 1], loop.sampling if loop.sampling is not None else rows)
     if thinking is not None:  # B = 0 on a prompt that opens thinking: the first token is already E[0]
-        _, hit, token, force = _budget_cut(think0, first[:, None], jnp.ones((B,), jnp.int32), jnp.ones((B,), bool),
+        _, hit, token, force = _budget_cut(think, first[:, None], jnp.ones((B,), jnp.int32), jnp.ones((B,), bool),
                                            prompt_BxT[bidx, lengths_B - 1], thinking)
         first = jnp.where(hit, token, first)
-        think0 = dataclasses.replace(think0, force=force, forced=hit)
-    dcache = last_hidden = None
+        think = dataclasses.replace(think, force=force, forced=hit)
+    dcache = last_hidden = round_tier = None
     if drafter is not None:
         # drafter position j pairs the feature at j with token j+1 (the first token is the root)
         ids = jnp.where(jnp.arange(T)[None] == lengths_B[:, None] - 1, first[:, None], jnp.roll(prompt_BxT, -1, 1))
-        dout, dcache = drafter(feats, ids, pos, cache=drafter.init_cache(B, max_len))
+        dout, dcache = drafter(feats, ids, pos, cache=drafter.init_cache(B, cache_len))
         dcache = kv_cache.advance(dcache, lengths_B)
         last_hidden = dout[bidx, lengths_B - 1]
-    st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, max_new), jnp.int32), jnp.zeros((B,), jnp.int32),
-                jnp.zeros((B,), bool), jnp.full((B, max_new), -1, jnp.int32), jnp.int32(0), key,  # ≤ one round per token
-                think0)
-    return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), stops, max_new, thinking)
-
-
-def _stop_array(stop_ids: tuple[int, ...]):
-    return jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+        round_tier = jnp.zeros((B, W), jnp.int32)
+    zeros = jnp.zeros((B,), jnp.int32)
+    st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, W), jnp.int32), zeros, jnp.zeros((B,), bool),
+                jnp.full((B, W), -1, jnp.int32), zeros, jnp.int32(0), key_B, stops_BxS, limit_B, rows, think,
+                round_tier=round_tier)
+    return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), loop)
 
 
 def _root_only(root_B) -> Tree:
@@ -168,137 +216,200 @@ def _root_only(root_B) -> Tree:
                 jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1, 1), jnp.int32))
 
 
-def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
-         round_cap, learned, *, max_len: int,
-         max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig, spec: Speculation | None,
-         thinking: budget.ThinkingConfig | None):
-    target = nnx.merge(tgraph, tstate)
-    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
-    stops = _stop_array(stop_ids)
-    B = prompt_BxT.shape[0]
-    bidx = jnp.arange(B)
-    max_rounds = max_new
-    think0 = None
-    if thinking is not None:
-        zeros = jnp.zeros((B,), jnp.int32)
-        think0 = _Think(budget_B, phase_B, zeros, zeros, jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), bool),
-                        jnp.zeros((B, max_rounds), bool))
-        end_ids = _end_ids(thinking)
-        m = len(thinking.end_ids)
-    with jax.named_scope("prefill"):
-        st = _prefill(target, drafter, prompt_BxT, lengths_B, key, think0, max_len=max_len, max_new=max_new,
-                      stops=stops, sampling=sampling, thinking=thinking)
-
-    def vanilla_round(st: _State) -> _State:
-        with jax.named_scope("step"):
-            logits, _, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
-            key, sub = jax.random.split(st.key)
-            nxt = sample(sub, logits[:, 0], sampling)
-        with jax.named_scope("emit"):
-            active = ~st.done
-            think, forcing = st.think, jnp.zeros((B,), bool)
-            if thinking is not None:
-                forcing = active & (think.force >= 0)
-                nxt = jnp.where(forcing, end_ids[jnp.maximum(think.force, 0)], nxt)
-                force = jnp.where(forcing, jnp.where(think.force + 1 < m, think.force + 1, -1), think.force)
-                _, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), nxt[:, None],
-                                                   active.astype(jnp.int32), active & ~forcing, st.root, thinking)
-                nxt = jnp.where(hit, token, nxt)
-                think = dataclasses.replace(think, force=force, forced=think.forced | hit)
-            st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
-                                     root=jnp.where(active, nxt, st.root), key=key, think=think,
-                                     accept=st.accept.at[:, st.step].set(jnp.where(active, jnp.where(forcing, -2, 0), -1)))
-            return _emit(st, nxt[:, None], active.astype(jnp.int32), stops, max_new, thinking, st.step)
-
-    def propose(operand, tree: TreeConfig | None):
-        """Tier ``tree``'s draft and verification (``None``: nothing drafted); the caches are only
-        read.  Returns the accepted path's data, padded to the largest tier's path: node ids,
-        accepted count, bonus, the token after each node, its target features and keys/values."""
-        root, last_hidden, tcache, dcache, force, active, sub = operand  # only what a proposal reads
-        forcing, n_forced = jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32)
-        with jax.named_scope("draft"):
-            t = _root_only(root) if tree is None else expand(drafter, dcache, last_hidden, root, tree)
-            F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
-            if thinking is not None and F:  # sequences forcing E commit it as a chain instead of a draft
-                forcing = active & (force >= 0)
-                start = jnp.maximum(force, 0)
-                n_forced = jnp.clip(m - start, 0, F)
-                ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
-                chain = forced_chain(root, ids, n_forced, tree)
-                t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
-        with jax.named_scope("verify"):
-            logits, feats, new_kv = target.forward(t.tokens, tcache.lengths[:, None] + t.depth, cache=tcache,
-                                                   region_mask_BxTxR=t.mask)
-            path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
-            node = jnp.maximum(path, 0)
-            drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
-            b = jnp.arange(B)[:, None]
-            pad = P_max - node.shape[1]
-            padded = lambda x, axis, value=0: jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)],  # noqa: E731
-                                                      constant_values=value)
-            return (padded(path, 1, -1), accepted, bonus, padded(drafted, 1),
-                    padded(jnp.take_along_axis(feats, node[..., None], 1), 1),
-                    tuple(padded(x[:, b, node], 2) for x in new_kv), n_forced)
-
-    def spec_round(st: _State) -> _State:
-        """One round: the tier's proposal (``lax.switch`` over the tiers), then one commit, one
-        drafter catch-up and the output bookkeeping for every tier."""
+def _target_step(target, st: _State, loop: _Loop):
+    """One target step per active row (no drafter): ``(state, features_Bx3H of the fed token,
+    the token emitted after it, active_B)``; records a round of tier 0."""
+    thinking = loop.thinking
+    B = st.root.shape[0]
+    with jax.named_scope("step"):
+        logits, feats, tcache = target(st.root[:, None], st.tcache.lengths[:, None], cache=st.tcache)
+        key, sub = _split(st.key)
+        nxt = sample(sub, logits[:, 0], _sampling(st, loop))
+    with jax.named_scope("emit"):
         active = ~st.done
         think, forcing = st.think, jnp.zeros((B,), bool)
-        key, sub = jax.random.split(st.key)
-        tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
-        branches = [functools.partial(propose, tree=t) for t in spec.tiers]
-        operand = (st.root, st.last_hidden, st.tcache, st.dcache,
-                   think.force if thinking is not None else jnp.full((B,), -1, jnp.int32), active, sub)
-        path, accepted, bonus, drafted, path_feats, path_kv, n_forced = (
-            branches[0](operand) if len(branches) == 1 else jax.lax.switch(tier, branches, operand))
-        j = jnp.arange(P_max)[None]
         if thinking is not None:
+            end_ids, m = _end_ids(thinking), len(thinking.end_ids)
             forcing = active & (think.force >= 0)
-            start = jnp.maximum(think.force, 0)
-            done_forcing = start + n_forced >= m
-            bonus = jnp.where(forcing & ~done_forcing, end_ids[jnp.minimum(start + n_forced, m - 1)], bonus)
-            force = jnp.where(forcing, jnp.where(~done_forcing & (start + n_forced + 1 < m), start + n_forced + 1, -1),
-                              think.force)
-            cand = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
-            keep, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), cand, accepted + 1,
-                                                  active & ~forcing, st.root, thinking)
-            accepted = jnp.where(hit, keep, accepted)
-            bonus = jnp.where(hit, token, bonus)
+            nxt = jnp.where(forcing, end_ids[jnp.maximum(think.force, 0)], nxt)
+            force = jnp.where(forcing, jnp.where(think.force + 1 < m, think.force + 1, -1), think.force)
+            _, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), nxt[:, None],
+                                               active.astype(jnp.int32), active & ~forcing, st.root, thinking)
+            nxt = jnp.where(hit, token, nxt)
             think = dataclasses.replace(think, force=force, forced=think.forced | hit)
-        count = jnp.where(active, accepted + 1, 0)
-        with jax.named_scope("commit"):
-            tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, (B, P_max)), count, new_kv=path_kv)
-        with jax.named_scope("catch_up"):
-            # token following each committed node: the next accepted draft token, then the bonus
-            new = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
-            # the drafter consumes the committed nodes' target features (from the tree pass)
-            dpos = st.dcache.lengths[:, None] + j
-            dout, dcache = drafter(path_feats, new, dpos, cache=st.dcache)
-        with jax.named_scope("emit"):
-            round_accept = jnp.where(active, jnp.where(forcing, -2, accepted), -1)
-            st2 = dataclasses.replace(
-                st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key, think=think,
-                root=jnp.where(active, bonus, st.root),
-                last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
-                accept=st.accept.at[:, st.step].set(round_accept),
-                ctl=policy.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
-                round_tier=st.round_tier.at[st.step].set(tier))
-            return _emit(st2, new, count, stops, max_new, thinking, st.step)
+        record = jnp.where(active, jnp.where(forcing, -2, 0), -1)
+        st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
+                                 root=jnp.where(active, nxt, st.root), key=key, think=think,
+                                 accept=st.accept.at[jnp.arange(B), st.rounds].set(record, mode="drop"))
+        st = _emit(st, nxt[:, None], active.astype(jnp.int32), loop, st.rounds)
+        return dataclasses.replace(st, rounds=st.rounds + active, step=st.step + 1), feats[:, 0], nxt, active
 
-    if drafter is None:
-        body = vanilla_round
+
+def _vanilla_round(target, st: _State, loop: _Loop) -> _State:
+    """One target step per active row: vanilla decoding."""
+    return _target_step(target, st, loop)[0]
+
+
+def _burst(target, drafter, st: _State, loop: _Loop, cap) -> _State:
+    """Rounds of the ``None`` tier (no drafting): up to ``loop.burst`` plain target steps, then
+    one drafter catch-up over the tokens they committed, so that falling back costs about a
+    vanilla step per token.  Each step is a round (of tier ``None``) for the records and the policy."""
+    B, n = st.root.shape[0], loop.burst
+    none = loop.spec.tiers.index(None)
+    bidx = jnp.arange(B)
+
+    def step(carry):
+        i, s, feats_BxNxF, tokens_BxN, count_B = carry
+        rounds = s.rounds
+        s, feats, nxt, active = _target_step(target, s, loop)
+        record = s.accept[bidx, jnp.minimum(rounds, s.accept.shape[1] - 1)]
+        s = dataclasses.replace(
+            s, ctl=policy.update(s.ctl, loop.spec, jnp.maximum(record, 0), active & (record >= 0)),
+            round_tier=s.round_tier.at[bidx, rounds].set(jnp.where(active, none, 0), mode="drop"))
+        return (i + 1, s, feats_BxNxF.at[:, i].set(feats.astype(feats_BxNxF.dtype)), tokens_BxN.at[:, i].set(nxt),
+                count_B + active)
+
+    F = 3 * target.config.hidden_size
+    carry = (jnp.int32(0), st, jnp.zeros((B, n, F), target.dtype), jnp.zeros((B, n), jnp.int32),
+             jnp.zeros((B,), jnp.int32))
+    _, st2, feats_BxNxF, tokens_BxN, count_B = jax.lax.while_loop(
+        lambda c: (c[0] < n) & (~c[1].done).any() & (c[1].step < cap), step, carry)
+    with jax.named_scope("catch_up"):  # drafter position j pairs the feature at j with the token after it
+        dpos = st.dcache.lengths[:, None] + jnp.arange(n)[None]
+        dout, dcache = drafter(feats_BxNxF, tokens_BxN, dpos, cache=st.dcache)
+    last = jnp.where((count_B > 0)[:, None], dout[bidx, jnp.maximum(count_B - 1, 0)], st.last_hidden)
+    return dataclasses.replace(st2, dcache=kv_cache.advance(dcache, count_B), last_hidden=last)
+
+
+def _propose(target, drafter, operand, tree: TreeConfig | None, loop: _Loop):
+    """Tier ``tree``'s draft and verification (``None``: nothing drafted); the caches are only
+    read.  Returns the accepted path's data, padded to the largest tier's path: node ids,
+    accepted count, bonus, the token after each node, its target features and keys/values."""
+    root, last_hidden, tcache, dcache, force, active, sub, rows = operand  # only what a proposal reads
+    B = root.shape[0]
+    thinking = loop.thinking
+    forcing, n_forced = jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32)
+    with jax.named_scope("draft"):
+        t = _root_only(root) if tree is None else expand(drafter, dcache, last_hidden, root, tree)
+        F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
+        if thinking is not None and F:  # sequences forcing E commit it as a chain instead of a draft
+            end_ids, m = _end_ids(thinking), len(thinking.end_ids)
+            forcing = active & (force >= 0)
+            start = jnp.maximum(force, 0)
+            n_forced = jnp.clip(m - start, 0, F)
+            ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
+            chain = forced_chain(root, ids, n_forced, tree)
+            t = jax.tree.map(lambda c, d: jnp.where(forcing.reshape((B,) + (1,) * (c.ndim - 1)), c, d), chain, t)
+    with jax.named_scope("verify"):
+        logits, feats, new_kv = target.forward(t.tokens, tcache.lengths[:, None] + t.depth, cache=tcache,
+                                               region_mask_BxTxR=t.mask)
+        sampling = loop.sampling if loop.sampling is not None else rows
+        path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
+        node = jnp.maximum(path, 0)
+        drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
+        b = jnp.arange(B)[:, None]
+        pad = loop.path_max - node.shape[1]
+        padded = lambda x, axis, value=0: jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)],  # noqa: E731
+                                                  constant_values=value)
+        return (padded(path, 1, -1), accepted, bonus, padded(drafted, 1),
+                padded(jnp.take_along_axis(feats, node[..., None], 1), 1),
+                tuple(padded(x[:, b, node], 2) for x in new_kv), n_forced)
+
+
+def _spec_round(target, drafter, st: _State, loop: _Loop, force_tier) -> _State:
+    """One round: the tier's proposal (``lax.switch`` over the tiers), then one commit, one
+    drafter catch-up and the output bookkeeping for every tier."""
+    spec, thinking = loop.spec, loop.thinking
+    B, P_max = st.root.shape[0], loop.path_max
+    bidx = jnp.arange(B)
+    active = ~st.done
+    think, forcing = st.think, jnp.zeros((B,), bool)
+    key, sub = _split(st.key)
+    tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
+    drafting = [i for i, t in enumerate(spec.tiers) if t is not None]  # None's rounds are bursts (_burst)
+    branches = [functools.partial(_propose, target, drafter, tree=spec.tiers[i], loop=loop) for i in drafting]
+    operand = (st.root, st.last_hidden, st.tcache, st.dcache,
+               think.force if thinking is not None else jnp.full((B,), -1, jnp.int32), active, sub, st.sampling)
+    branch = jnp.asarray([drafting.index(i) if i in drafting else 0 for i in range(len(spec.tiers))])[tier]
+    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = (
+        branches[0](operand) if len(branches) == 1 else jax.lax.switch(branch, branches, operand))
+    j = jnp.arange(P_max)[None]
+    if thinking is not None:
+        end_ids, m = _end_ids(thinking), len(thinking.end_ids)
+        forcing = active & (think.force >= 0)
+        start = jnp.maximum(think.force, 0)
+        done_forcing = start + n_forced >= m
+        bonus = jnp.where(forcing & ~done_forcing, end_ids[jnp.minimum(start + n_forced, m - 1)], bonus)
+        force = jnp.where(forcing, jnp.where(~done_forcing & (start + n_forced + 1 < m), start + n_forced + 1, -1),
+                          think.force)
+        cand = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
+        keep, hit, token, force = _budget_cut(dataclasses.replace(think, force=force), cand, accepted + 1,
+                                              active & ~forcing, st.root, thinking)
+        accepted = jnp.where(hit, keep, accepted)
+        bonus = jnp.where(hit, token, bonus)
+        think = dataclasses.replace(think, force=force, forced=think.forced | hit)
+    count = jnp.where(active, accepted + 1, 0)
+    with jax.named_scope("commit"):
+        tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, (B, P_max)), count, new_kv=path_kv)
+    with jax.named_scope("catch_up"):
+        # token following each committed node: the next accepted draft token, then the bonus
+        new = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
+        # the drafter consumes the committed nodes' target features (from the tree pass)
+        dpos = st.dcache.lengths[:, None] + j
+        dout, dcache = drafter(path_feats, new, dpos, cache=st.dcache)
+    with jax.named_scope("emit"):
+        round_accept = jnp.where(active, jnp.where(forcing, -2, accepted), -1)
+        st2 = dataclasses.replace(
+            st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key, think=think,
+            root=jnp.where(active, bonus, st.root),
+            last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
+            accept=st.accept.at[bidx, st.rounds].set(round_accept, mode="drop"),
+            ctl=policy.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
+            round_tier=st.round_tier.at[bidx, st.rounds].set(jnp.where(active, tier, 0), mode="drop"))
+        st2 = _emit(st2, new, count, loop, st.rounds)
+        return dataclasses.replace(st2, rounds=st.rounds + active, step=st.step + 1)
+
+
+def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State:
+    """Rounds until every row is done or ``cap`` rounds ran: the loop of ``generate`` and of
+    the slot engine's dispatches."""
+    if loop.spec is None:
+        body = functools.partial(_vanilla_round, target, loop=loop)
     else:
-        P_max = max(1 if t is None else t.path_len for t in spec.tiers)
-        ctl = policy.init(spec, round_ms_T, learned)
-        st = dataclasses.replace(st, ctl=ctl, round_tier=jnp.zeros((max_rounds,), jnp.int32))
-        body = spec_round
+        spec_round = functools.partial(_spec_round, target, drafter, loop=loop, force_tier=force_tier)
+        burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap)
+        if None not in loop.spec.tiers:
+            body = spec_round
+        elif all(t is None for t in loop.spec.tiers):
+            body = burst
+        else:
+            none = loop.spec.tiers.index(None)
 
-    def step(st):
-        return dataclasses.replace(body(st), step=st.step + 1)
+            def body(s):
+                tier = jnp.where(force_tier >= 0, force_tier, s.ctl.tier)
+                return jax.lax.cond(tier == none, burst, spec_round, s)
 
-    cap = jnp.minimum(max_rounds, round_cap)
-    st = jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < cap), step, st)
+    return jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < cap), body, dataclasses.replace(st, step=0))
+
+
+def _stop_rows(stop_ids: tuple[int, ...], batch: int):
+    return jnp.broadcast_to(jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32), (batch, max(len(stop_ids), 1)))
+
+
+def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
+         round_cap, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig,
+         spec: Speculation | None, thinking: budget.ThinkingConfig | None):
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    B = prompt_BxT.shape[0]
+    loop = _Loop(max_new, sampling, spec if drafter is not None else None, thinking)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))  # row b's key: fold_in(seed key, b)
+    with jax.named_scope("prefill"):
+        st = _prefill(target, drafter, prompt_BxT, lengths_B, keys, budget_B, phase_B, _stop_rows(stop_ids, B),
+                      jnp.full((B,), max_new, jnp.int32), None, cache_len=max_len, loop=loop)
+    if drafter is not None:
+        st = dataclasses.replace(st, ctl=policy.init(spec, round_ms_T, learned))
+    st = _rounds(target, drafter, st, loop, force_tier, jnp.minimum(max_new, round_cap))
     out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
     if st.round_tier is not None:
         out["round_tier"] = st.round_tier
@@ -482,39 +593,52 @@ def _budgets(thinking_budget, n: int) -> np.ndarray:
                     np.int32)
 
 
-def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
-             tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
-             end_thinking_ids=None, speculation=None, round_ms=None) -> _Request:
-    vocab = target.config.vocab_size
-    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+def _sampling_args(temperature, top_p, top_k, vocab: int) -> SamplingConfig:
     temperature = _float_arg("temperature", temperature)
     if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
     top_p = _float_arg("top_p", top_p)
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    top_k = _int_arg("top_k", top_k, 0, vocab + 1)
-    seed = _int_arg("seed", seed, 0, 2 ** 32)
-    if not isinstance(tree, TreeConfig):
-        raise TypeError(f"tree must be a TreeConfig (e.g. TreeConfig(60, 7, 10) or TreeConfig.chain(4)), got {type(tree).__name__}")
+    return SamplingConfig(temperature, top_p, _int_arg("top_k", top_k, 0, vocab + 1))
+
+
+def _stop_args(stop_token_ids, vocab: int) -> list[int]:
     if stop_token_ids is None:
-        stop_token_ids = ()
-    elif _is_int(stop_token_ids) or isinstance(stop_token_ids, (str, bytes)):
+        return []
+    if _is_int(stop_token_ids) or isinstance(stop_token_ids, (str, bytes)):
         raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
-    stops = [_int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
-    seqs = prompt_rows(prompts, vocab, tokenizer)
-    if speculation is None:
-        speculation = Speculation.fixed(tree)
-    elif isinstance(speculation, TreeConfig):
+    return [_int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
+
+
+def _speculation_arg(target, drafter, speculation) -> Speculation:
+    """``speculation`` as a ``Speculation`` (a ``TreeConfig`` is one fixed tier), checked against the pair."""
+    if isinstance(speculation, TreeConfig):
         speculation = Speculation.fixed(speculation)
     elif not isinstance(speculation, Speculation):
         raise TypeError(f"speculation must be a TreeConfig or a Speculation, got {type(speculation).__name__}")
     if drafter is not None:
-        if drafter.config.vocab_size != vocab or drafter.config.target_hidden_size != target.config.hidden_size:
+        if (drafter.config.vocab_size != target.config.vocab_size
+                or drafter.config.target_hidden_size != target.config.hidden_size):
             raise ValueError("drafter and target do not match (vocab size or hidden size); load the drafter with target=")
         if speculation.max_top_k > drafter.config.draft_vocab_size:
             raise ValueError(f"tree.top_k={speculation.max_top_k} exceeds the draft vocabulary "
                              f"({drafter.config.draft_vocab_size})")
+    return speculation
+
+
+def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
+             tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
+             end_thinking_ids=None, speculation=None, round_ms=None) -> _Request:
+    vocab = target.config.vocab_size
+    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+    sampling = _sampling_args(temperature, top_p, top_k, vocab)
+    seed = _int_arg("seed", seed, 0, 2 ** 32)
+    if not isinstance(tree, TreeConfig):
+        raise TypeError(f"tree must be a TreeConfig (e.g. TreeConfig(60, 7, 10) or TreeConfig.chain(4)), got {type(tree).__name__}")
+    stops = _stop_args(stop_token_ids, vocab)
+    seqs = prompt_rows(prompts, vocab, tokenizer)
+    speculation = _speculation_arg(target, drafter, Speculation.fixed(tree) if speculation is None else speculation)
     if round_ms is not None:
         round_ms = np.asarray(round_ms, np.float64)
         if round_ms.shape != (len(speculation.tiers),) or not np.isfinite(round_ms).all() or (round_ms <= 0).any():
@@ -539,7 +663,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
                          "tokenizer with <think> and </think>")
     phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
-              sampling=SamplingConfig(temperature, top_p, top_k), spec=speculation if drafter is not None else None,
+              sampling=sampling, spec=speculation if drafter is not None else None,
               thinking=thinking)
     return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms)
 
@@ -687,17 +811,19 @@ def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
     return (float((flat + 1).mean()) if flat.size else 0.0), rate
 
 
-def _round_stats(accept_BxR, rounds_mask_BxR, proposed_R, positions: int) -> dict:
+def _round_stats(accept_BxR, rounds_mask_BxR, proposed_BxR, positions: int) -> dict:
     drafted = rounds_mask_BxR & (accept_BxR >= 0)
     acc = [row[m].tolist() for row, m in zip(accept_BxR, drafted)]
     rounds = [len(a) for a in acc]
     tau, rate = acceptance([a for row in acc for a in row], positions)
+    flat = np.asarray([a for row in acc for a in row], np.int64)
     return {
         "rounds": rounds,
         "accept_lengths": acc,
         "tau": tau,
         "acceptance_rate": rate,
-        "proposed": int((drafted * proposed_R[None]).sum()),
+        "accepted_per_position": [int((flat >= i).sum()) for i in range(1, positions + 1)],
+        "proposed": int((drafted * proposed_BxR).sum()),
         "accepted": int(sum(map(sum, acc))),
     }
 
@@ -707,14 +833,12 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
     tokens is counted in ``forced_rounds``), the tier of each round, and per thinking phase
     when tracked."""
     accept, n_out = res["accept"], res["n_out"]
-    R = accept.shape[1]
     tiers = (None,) if spec is None else spec.tiers
-    tier_R = res.get("round_tier", np.zeros((R,), np.int64))
-    proposed_R = np.array([0 if t is None else t.total_tokens - 1 for t in tiers])[tier_R]
+    tier_BxR = res.get("round_tier", np.zeros(accept.shape, np.int64))
+    proposed_BxR = np.array([0 if t is None else t.total_tokens - 1 for t in tiers])[tier_BxR]
     positions = 0 if spec is None else spec.positions
     new_tokens = int(n_out.sum())
-    stats = _round_stats(accept, np.ones_like(accept, bool), proposed_R, positions)
-    ran = (accept != -1).any(0)
+    stats = _round_stats(accept, np.ones_like(accept, bool), proposed_BxR, positions)
     names = [policy.tier_name(t) for t in tiers]
     stats.update({
         "forced_rounds": int((accept == -2).sum()),
@@ -723,15 +847,284 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
         "seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
     })
-    if spec is not None:
-        stats["tier_per_round"] = [names[i] for i in tier_R[ran]]
-        stats["tier_rounds"] = {n: int((tier_R[ran] == i).sum()) for i, n in enumerate(names)}
+    if spec is not None:  # every row runs every round of the loop until it is done: the longest saw them all
+        ran = accept != -1
+        longest = int(ran.sum(1).argmax())
+        tier_R = tier_BxR[longest][ran[longest]]
+        stats["tier_per_round"] = [names[i] for i in tier_R]
+        stats["tier_rounds"] = {n: int((tier_R == i).sum()) for i, n in enumerate(names)}
     if "round_thinking" in res:
         rt, thinking = res["round_thinking"], res["thinking"]
         stats["phases"] = {
-            "thinking": {**_round_stats(accept, rt, proposed_R, positions), "committed": int(thinking.sum()),
+            "thinking": {**_round_stats(accept, rt, proposed_BxR, positions), "committed": int(thinking.sum()),
                          "forced_rounds": int(((accept == -2) & rt).sum())},
-            "answer": {**_round_stats(accept, ~rt, proposed_R, positions), "committed": int(new_tokens - thinking.sum()),
+            "answer": {**_round_stats(accept, ~rt, proposed_BxR, positions), "committed": int(new_tokens - thinking.sum()),
                        "forced_rounds": int(((accept == -2) & ~rt).sum())},
         }
     return stats
+
+
+# ---------------------------------------------------------------- the slot engine
+#
+# Continuous batching: a fixed number of rows ("slots") of batched caches, a request prefilled
+# into a free slot between dispatches while the others keep decoding.  Dispatches run the
+# same ``_rounds`` (and so the same round) as ``generate``; sampling parameters, seeds, stop
+# ids, limits and thinking budgets are per-row arrays, so one compiled program serves them all.
+
+
+def _put_row(st: _State, row: _State, slot) -> _State:
+    """``st`` with row ``slot`` replaced by the one-row state ``row`` (its caches may be shorter:
+    the slots past the prompt are scratch); the policy's state and the loop counter are kept."""
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, slot, 0)  # noqa: E731
+
+    def cache(big: kv_cache.KVCache, small: kv_cache.KVCache):
+        at = (0, slot, 0, 0, 0)
+        return kv_cache.KVCache(jax.lax.dynamic_update_slice(big.k, small.k.astype(big.k.dtype), at),
+                                jax.lax.dynamic_update_slice(big.v, small.v.astype(big.v.dtype), at),
+                                put(big.lengths, small.lengths))
+
+    rows = lambda big, small: None if big is None else jax.tree.map(put, big, small)  # noqa: E731
+    return dataclasses.replace(
+        st, tcache=cache(st.tcache, row.tcache), dcache=None if st.dcache is None else cache(st.dcache, row.dcache),
+        root=put(st.root, row.root), last_hidden=rows(st.last_hidden, row.last_hidden), out=put(st.out, row.out),
+        n_out=put(st.n_out, row.n_out), done=put(st.done, row.done), accept=put(st.accept, row.accept),
+        rounds=put(st.rounds, row.rounds), key=put(st.key, row.key), stops=put(st.stops, row.stops),
+        limit=put(st.limit, row.limit), sampling=rows(st.sampling, row.sampling), think=rows(st.think, row.think),
+        round_tier=rows(st.round_tier, row.round_tier))
+
+
+def _slots_empty(tgraph, tstate, dgraph, dstate, round_ms_T, learned, *, slots: int, max_len: int, stops: int,
+                 loop: _Loop) -> _State:
+    """Every slot free (done), caches of ``max_len`` slots per row."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    ones = jnp.ones((slots,), jnp.int32)
+    rows = RowSampling.of(SamplingConfig(), slots)
+    st = _prefill(target, drafter, jnp.zeros((slots, 1), jnp.int32), ones, jax.random.split(jax.random.key(0), slots),
+                  -ones, ones * budget.BEFORE, jnp.full((slots, stops), -1, jnp.int32), ones, rows, cache_len=1,
+                  loop=loop)
+    st = dataclasses.replace(st, tcache=target.init_cache(slots, max_len), done=jnp.ones((slots,), bool),
+                             n_out=0 * ones, out=0 * st.out)
+    if drafter is not None:
+        st = dataclasses.replace(st, dcache=drafter.init_cache(slots, max_len), ctl=policy.init(loop.spec, round_ms_T, learned))
+    return st
+
+
+def _slot_insert(tgraph, tstate, dgraph, dstate, st: _State, slot, prompt_1xT, length_1, key_1, budget_1, phase_1,
+                 stops_1xS, limit_1, temperature_1, top_p_1, top_k_1, *, loop: _Loop) -> _State:
+    """Prefills one request into row ``slot`` (its first token emitted)."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    row = _prefill(target, drafter, prompt_1xT, length_1, key_1, budget_1, phase_1, stops_1xS, limit_1,
+                   RowSampling(temperature_1, top_p_1, top_k_1), cache_len=prompt_1xT.shape[1], loop=loop)
+    return _put_row(st, row, slot)
+
+
+def _slot_rounds(tgraph, tstate, dgraph, dstate, st: _State, cap, force_tier, *, loop: _Loop) -> _State:
+    """Up to ``cap`` rounds of every active slot."""
+    target = nnx.merge(tgraph, tstate)
+    drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    return _rounds(target, drafter, st, loop, force_tier, cap)
+
+
+def _slot_release(st: _State, slot) -> _State:
+    return dataclasses.replace(st, done=st.done.at[slot].set(True))
+
+
+_slots_empty_jit = jax.jit(_slots_empty, static_argnums=(0, 2), static_argnames=("slots", "max_len", "stops", "loop"))
+_slot_insert_jit = jax.jit(_slot_insert, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
+_slot_rounds_jit = jax.jit(_slot_rounds, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
+_slot_release_jit = jax.jit(_slot_release, donate_argnums=(0,))
+
+
+@dataclasses.dataclass
+class SlotView:
+    """One slot as of the last :meth:`Slots.poll`.
+
+    ``active``: it holds a request that has not finished; ``tokens``: every token generated
+    for that request so far (prompt excluded); ``finish_reason``: ``stop`` | ``length`` once
+    ``done``, else ``None``; the thinking fields as in ``GenerateResult``; ``stats``: the
+    request's round statistics as in ``GenerateResult.stats`` (no timing), with
+    ``accepted_per_position``.
+    """
+
+    active: bool
+    tokens: list[int]
+    done: bool
+    finish_reason: str | None
+    thinking_tokens: int
+    answer_tokens: int
+    thinking_status: str
+    stats: dict
+
+
+class Slots:
+    """The device half of continuous batching: ``num_slots`` rows of batched caches of
+    ``max_len`` positions, requests prefilled into free rows while the others keep decoding.
+
+    Every dispatch (:meth:`run`) runs the rounds ``generate`` runs, on every active row at once;
+    sampling parameters, seeds, stop ids, token limits and thinking budgets are per-row arrays,
+    so one compiled program serves any mix of requests.  A greedy request gets exactly the
+    tokens ``generate`` gives it alone; a sampled request's tokens depend only on its seed when
+    the speculation is a fixed tier (the adaptive policy's tier per round depends on the batch).
+
+    :meth:`insert`, :meth:`run` and :meth:`release` only dispatch device work; :meth:`poll` is
+    the one host synchronisation.  Not thread-safe: drive it from one thread.
+
+    Args:
+      target, drafter: the pair (``drafter=None``: vanilla decoding).
+      num_slots: requests decoded at once; max_len: positions per slot (prompt, new tokens and
+        the round's scratch), at most the target's ``max_position_embeddings``.
+      speculation: ``None`` (``TreeConfig()``), a ``TreeConfig`` or a ``Speculation``; with the
+        adaptive policy its round costs are measured on this engine at construction unless
+        ``round_ms`` gives them.
+      tokenizer, think_token_ids, end_thinking_ids, thinking_mode, thinking_grace: the thinking
+        phase, as for ``generate``; max_stop_ids: the most extra stop ids a request may give.
+    """
+
+    def __init__(self, target, drafter, *, num_slots: int, max_len: int,
+                 speculation: Speculation | TreeConfig | None = None, tokenizer=None, think_token_ids=None,
+                 end_thinking_ids=None, thinking_mode: str = "hard", thinking_grace: int = 0, round_ms=None,
+                 max_stop_ids: int = 8):
+        self.num_slots = _int_arg("num_slots", num_slots, 1)
+        self.max_len = _int_arg("max_len", max_len, 2, target.config.max_position_embeddings + 1)
+        vocab = target.config.vocab_size
+        spec = _speculation_arg(target, drafter, TreeConfig() if speculation is None else speculation)
+        self.spec = spec if drafter is not None else None
+        self.thinking = _thinking_config(tokenizer, think_token_ids, end_thinking_ids, thinking_mode, thinking_grace,
+                                         vocab)
+        self.stop_ids = tuple(sorted(set(target.config.eos_token_ids)))
+        self._max_stops = _int_arg("max_stop_ids", max_stop_ids, 0) + len(self.stop_ids)
+        self._scratch = 1 if self.spec is None else spec.scratch
+        self._target, self._vocab, self._tokenizer = target, vocab, tokenizer
+        self._graphs = nnx.split(target), nnx.split(drafter) if drafter is not None else (None, None)
+        self._loop = _Loop(self.max_len, None, self.spec, self.thinking)
+        self._busy = [False] * self.num_slots
+        self._stops = [set(self.stop_ids)] * self.num_slots
+        self._prompt_phase = [budget.BEFORE] * self.num_slots
+        learned = policy.fresh(self.spec or _NO_SPEC)
+        n_tiers = 1 if self.spec is None else len(self.spec.tiers)
+        if round_ms is None and self.spec is not None and self.spec.policy == "adaptive":
+            self._state = self._empty(jnp.ones((n_tiers,), jnp.float32), learned)
+            round_ms = self._measure_rounds(n_tiers)
+        self.round_ms = None if round_ms is None else tuple(float(x) for x in round_ms)
+        self._state = self._empty(jnp.asarray(self.round_ms or (1.0,) * n_tiers, jnp.float32), learned)
+
+    def _empty(self, round_ms_T, learned) -> _State:
+        (tg, ts), (dg, ds) = self._graphs
+        return _slots_empty_jit(tg, ts, dg, ds, round_ms_T, learned, slots=self.num_slots, max_len=self.max_len,
+                                stops=self._max_stops, loop=self._loop)
+
+    def _measure_rounds(self, n_tiers: int, rounds: int = 16) -> list[float]:
+        """Milliseconds per round of each tier on this engine, every slot busy (a synthetic prompt)."""
+        prompt = list(range(1, min(16, self.max_len // 4) + 1))
+        out = []
+        for tier in range(n_tiers):
+            best = float("inf")
+            for _ in range(2):
+                for s in range(self.num_slots):
+                    self.insert(s, prompt, max_new_tokens=self.max_new_tokens_for(len(prompt)))
+                jax.block_until_ready(self._state)
+                start = time.perf_counter()
+                self._dispatch(rounds, tier)
+                jax.block_until_ready(self._state)
+                ran = int(np.asarray(self._state.step))
+                best = min(best, 1e3 * (time.perf_counter() - start) / max(ran, 1))
+                for s in range(self.num_slots):
+                    self.release(s)
+            out.append(best)
+        return out
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens can get in a slot (<= 0: it does not fit)."""
+        if _bucket(prompt_len) > self.max_len:
+            return 0
+        return self.max_len - prompt_len - self._scratch
+
+    def insert(self, slot: int, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None, thinking_budget=None):
+        """Prefills a request into the free slot ``slot``; its first token is emitted.  Arguments
+        as for ``generate`` (one prompt); ``TypeError`` / ``ValueError`` naming the argument."""
+        slot = _int_arg("slot", slot, 0, self.num_slots)
+        if self._busy[slot]:
+            raise ValueError(f"slot {slot} holds a running request: release it first")
+        (prompt,) = prompt_rows([prompt_ids] if not isinstance(prompt_ids, str) else prompt_ids, self._vocab,
+                                self._tokenizer)
+        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+        room = self.max_new_tokens_for(prompt.size)
+        if max_new_tokens > room:
+            raise ValueError(f"max_new_tokens: a prompt of {prompt.size} tokens leaves room for {max(room, 0)} new "
+                             f"tokens in a slot of max_len={self.max_len}, got {max_new_tokens}")
+        sampling = _sampling_args(temperature, top_p, top_k, self._vocab)
+        seed = _int_arg("seed", seed, 0, 2 ** 32)
+        stops = sorted(set(self.stop_ids) | set(_stop_args(stop_token_ids, self._vocab)))
+        if len(stops) > self._max_stops:
+            raise ValueError(f"stop_token_ids: at most {self._max_stops - len(self.stop_ids)} stop ids per request, "
+                             f"got {len(stops) - len(self.stop_ids)}")
+        (budget_,) = _budgets(thinking_budget, 1)
+        if self.thinking is None and budget_ >= 0:
+            raise ValueError("thinking_budget needs the think-open/close tokens: this engine has no thinking phase")
+        phase = budget.initial_phase(prompt, self.thinking) if self.thinking else budget.BEFORE
+        T = _bucket(prompt.size)
+        prompt_1xT = np.zeros((1, T), np.int32)
+        prompt_1xT[0, : prompt.size] = prompt
+        row = lambda v, dtype=jnp.int32: jnp.asarray([v], dtype)  # noqa: E731
+        (tg, ts), (dg, ds) = self._graphs
+        self._state = _slot_insert_jit(
+            tg, ts, dg, ds, self._state, jnp.int32(slot), jnp.asarray(prompt_1xT), row(prompt.size),
+            jax.random.fold_in(jax.random.key(seed), 0)[None], row(budget_), row(phase),
+            jnp.asarray([stops + [-1] * (self._max_stops - len(stops))], jnp.int32), row(max_new_tokens),
+            row(sampling.temperature, jnp.float32), row(sampling.top_p, jnp.float32), row(sampling.top_k),
+            loop=self._loop)
+        self._busy[slot] = True
+        self._stops[slot] = set(stops)
+        self._prompt_phase[slot] = phase
+
+    def run(self, rounds: int):
+        """Dispatches up to ``rounds`` rounds of every active slot (returns at once)."""
+        self._dispatch(_int_arg("rounds", rounds, 1), -1)
+
+    def _dispatch(self, rounds: int, force_tier: int):
+        (tg, ts), (dg, ds) = self._graphs
+        self._state = _slot_rounds_jit(tg, ts, dg, ds, self._state, jnp.int32(rounds), jnp.int32(force_tier),
+                                       loop=self._loop)
+
+    def release(self, slot: int):
+        """Ends the request in ``slot`` now (e.g. its client went away); the slot is free."""
+        slot = _int_arg("slot", slot, 0, self.num_slots)
+        self._state = _slot_release_jit(self._state, jnp.int32(slot))
+        self._busy[slot] = False
+
+    def poll(self) -> list[SlotView]:
+        """Waits for the dispatched work and returns one ``SlotView`` per slot; a slot whose
+        request is seen finished here becomes free."""
+        st = self._state
+        fetch = {"out": st.out, "n_out": st.n_out, "done": st.done, "accept": st.accept}
+        if st.round_tier is not None:
+            fetch["round_tier"] = st.round_tier
+        if st.think is not None:
+            fetch.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
+                         round_thinking=st.think.round_thinking)
+        res = jax.device_get(fetch)
+        views = []
+        for s in range(self.num_slots):
+            if not self._busy[s]:
+                views.append(SlotView(False, [], True, None, 0, 0, "none", {}))
+                continue
+            tokens = res["out"][s, : res["n_out"][s]].tolist()
+            done = bool(res["done"][s])
+            row = {k: v[s: s + 1] for k, v in res.items() if k not in ("out", "done")}
+            stats = _stats(row, 0.0, self.spec)
+            for k in ("seconds", "tokens_per_second", "new_tokens"):
+                stats.pop(k)
+            thinking, status = 0, "none"
+            if self.thinking is not None:
+                thinking = int(res["thinking"][s])
+                status = budget.status(int(res["phase"][s]), bool(res["forced"][s]),
+                                       thinking > 0 or self._prompt_phase[s] == budget.THINKING)
+            finish = None
+            if done:
+                finish = "stop" if tokens and tokens[-1] in self._stops[s] else "length"
+                self._busy[s] = False
+            views.append(SlotView(not done, tokens, done, finish, thinking, len(tokens) - thinking, status, stats))
+        return views

@@ -37,8 +37,56 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def target_probs(logits_xV, s: SamplingConfig):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Sampling parameters per row, as arrays: one compiled program serves rows that mix greedy
+    (``temperature == 0``) and sampled requests.  A greedy row draws from the one-hot of its
+    argmax, which the sampling walk treats exactly as the greedy walk does."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32 in (0, 1]
+    top_k: jax.Array  # [B] int32, 0 = off
+
+    greedy = False  # the rows decide; never the static greedy path
+
+    @classmethod
+    def of(cls, s: SamplingConfig, batch: int) -> "RowSampling":
+        full = lambda v, dtype: jnp.full((batch,), v, dtype)  # noqa: E731
+        return cls(full(s.temperature, jnp.float32), full(s.top_p, jnp.float32), full(s.top_k, jnp.int32))
+
+
+def _row_probs(logits_BxxV, s: RowSampling):
+    """:func:`target_probs` with per-row parameters (rows on the leading axis)."""
+    logits = logits_BxxV.astype(jnp.float32)
+    col = lambda x: x.reshape(x.shape + (1,) * (logits.ndim - 1))  # noqa: E731
+    greedy = col(s.temperature) == 0
+    logits = logits / jnp.where(greedy, 1.0, col(s.temperature))
+    onehot = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+
+    def top_k(lg):
+        desc = -jnp.sort(-lg, axis=-1)
+        kth = jnp.take_along_axis(desc, jnp.maximum(col(s.top_k) - 1, 0) + jnp.zeros(lg.shape[:-1] + (1,), jnp.int32), -1)
+        return jnp.where((col(s.top_k) > 0) & (lg < kth), -jnp.inf, lg)
+
+    logits = jax.lax.cond((s.top_k > 0).any(), top_k, lambda lg: lg, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+
+    def top_p(pr):
+        sorted_p = -jnp.sort(-pr, axis=-1)
+        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        cutoff = jnp.min(jnp.where(before < col(s.top_p), sorted_p, jnp.inf), axis=-1, keepdims=True)
+        kept = jnp.where(pr >= cutoff, pr, 0.0)
+        return jnp.where(col(s.top_p) >= 1, pr, kept / kept.sum(-1, keepdims=True))  # a row's own parameters only
+
+    probs = jax.lax.cond((s.top_p < 1).any(), top_p, lambda pr: pr, probs)
+    return jnp.where(greedy, onehot, probs)
+
+
+def target_probs(logits_xV, s: SamplingConfig | RowSampling):
     """The distribution sampling draws from: temperature, then top-k, then top-p."""
+    if isinstance(s, RowSampling):
+        return _row_probs(logits_xV, s)
     logits = logits_xV.astype(jnp.float32) / s.temperature
     if s.top_k:
         kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
@@ -53,18 +101,25 @@ def target_probs(logits_xV, s: SamplingConfig):
     return probs
 
 
-def sample(key, logits_BxV, s: SamplingConfig):
-    """One token per row: argmax when greedy, else a draw from :func:`target_probs`."""
+def row_keys(key, batch: int):
+    """One key per row: ``key`` itself when it already holds ``batch`` keys, else split."""
+    return key if key.shape == (batch,) else jax.random.split(key, batch)
+
+
+def sample(key, logits_BxV, s: SamplingConfig | RowSampling):
+    """One token per row: argmax when greedy, else a draw from :func:`target_probs`
+    (``key``: one key, or one per row)."""
     if s.greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    keys = jax.random.split(key, logits_BxV.shape[0])
+    keys = row_keys(key, logits_BxV.shape[0])
     probs = target_probs(logits_BxV, s)
     return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
-def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int, force_B=None):
+def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig | RowSampling, max_children: int, force_B=None):
     """Walks the tree against the target's logits at every node.
 
+    ``key``: one key, or one per row (a row's draws then depend on its own key only).
     Returns ``(path_BxP, accepted_B, bonus_B)``: the accepted node ids root first
     (``-1`` padded), the number of accepted draft tokens, and the bonus token drawn at
     the last accepted node.  Where ``force_B`` is true every child is accepted (its first
@@ -82,8 +137,8 @@ def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int, 
     else:
         probs = target_probs(logits_BxNxV, s)
         p_child = jnp.take_along_axis(probs, child_tok, axis=2)
-        key, sub = jax.random.split(key)
-        u = jax.random.uniform(sub, (B, P, max_children))
+        keys = jax.vmap(jax.random.split)(row_keys(key, B))  # [B, 2]: the walk's, the bonus's
+        u = jax.vmap(lambda k: jax.random.uniform(k, (P, max_children)))(keys[:, 0])
     if force_B is not None:
         p_child = jnp.where(force_B[:, None, None], 1.0, p_child)
     path, accepted, last = jax.vmap(_walk)(children, p_child, u)
@@ -96,8 +151,7 @@ def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig, max_children: int, 
         rejected = jnp.take_along_axis(tree.tokens, jnp.maximum(last_children, 0), 1)
         residual = p_last.at[jnp.arange(B)[:, None], rejected].multiply((last_children < 0).astype(p_last.dtype))
         residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_last)  # measure-zero guard
-        keys = jax.random.split(key, B)
-        bonus = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, residual)
+        bonus = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys[:, 1], residual)
     return path, accepted, bonus.astype(jnp.int32)
 
 

@@ -1,0 +1,113 @@
+"""The slot engine (continuous batching): requests joining and leaving a running batch get
+exactly the tokens ``generate`` gives them alone — greedy under mixed budgets, sampled by seed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import eagle3_jax
+from eagle3_jax import builtin
+from eagle3_jax.decode import Slots, encode_chat
+from eagle3_jax.tree import TreeConfig
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, drafter, tok = builtin.load()
+    tasks = builtin.eval_tasks()[:6]
+    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    return target, drafter, tok, prompts
+
+
+def _drain(slots: Slots, queue: list, results: dict, rounds: int = 3):
+    """Inserts ``queue`` entries (index, kwargs) into free slots between dispatches until
+    every request finished; ``results[index]`` = its final view."""
+    where = {}
+    while queue or where:
+        free = [s for s in range(slots.num_slots) if s not in where]
+        while queue and free:
+            i, kw = queue.pop(0)
+            s = free.pop(0)
+            slots.insert(s, **kw)
+            where[s] = i
+        slots.run(rounds)
+        views = slots.poll()
+        for s, i in list(where.items()):
+            if views[s].done:
+                results[i] = views[s]
+                del where[s]
+    return results
+
+
+@pytest.mark.parametrize("tree", [TreeConfig.chain(4), None], ids=["chain4", "vanilla"])
+def test_greedy_requests_joining_a_running_batch_equal_generate_alone(pair, tree):
+    """Six requests with different prompts, budgets and limits through three slots: each
+    joins when a slot frees, and each gets generate's tokens, thinking counts and statuses."""
+    target, drafter, tok, prompts = pair
+    drafter = drafter if tree is not None else None
+    budgets = [0, 5, None, 11, None, 3]
+    limits = [MAX_NEW, MAX_NEW, 17, MAX_NEW, MAX_NEW, MAX_NEW]
+    slots = Slots(target, drafter, num_slots=3, max_len=192, speculation=tree, tokenizer=tok)
+    queue = [(i, dict(prompt_ids=p, max_new_tokens=n, thinking_budget=b))
+             for i, (p, n, b) in enumerate(zip(prompts, limits, budgets))]
+    got = _drain(slots, queue, {})
+    for i, (p, n, b) in enumerate(zip(prompts, limits, budgets)):
+        want = eagle3_jax.generate(target, drafter, [p], max_new_tokens=MAX_NEW, tokenizer=tok, thinking_budget=b,
+                                   tree=tree or TreeConfig())  # one program for every limit: a shorter one is a prefix
+        v = got[i]
+        if n < len(want.tokens[0]):
+            assert v.tokens == want.tokens[0][:n] and v.finish_reason == "length", i
+            continue
+        assert v.tokens == want.tokens[0], i
+        assert (v.thinking_tokens, v.answer_tokens, v.thinking_status, v.finish_reason) == (
+            want.thinking_tokens[0], want.answer_tokens[0], want.thinking_status[0], want.finish_reason[0]), i
+        assert v.stats["committed"] == len(v.tokens)
+        if tree is not None:
+            assert v.stats["rounds"] == want.stats["rounds"] and v.stats["accepted"] == want.stats["accepted"]
+            assert v.stats["accepted_per_position"][0] == sum(a >= 1 for a in v.stats["accept_lengths"][0])
+
+
+def test_sampled_request_depends_on_its_seed_only(pair):
+    """A sampled request gives generate's tokens for its seed, alone or beside other requests."""
+    target, drafter, tok, prompts = pair
+    tree = TreeConfig.chain(4)
+    kw = dict(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, top_k=50, seed=7)
+    want = eagle3_jax.generate(target, drafter, [prompts[1]], tree=tree, **kw).tokens[0]
+    slots = Slots(target, drafter, num_slots=3, max_len=192, speculation=tree, tokenizer=tok)
+    got = _drain(slots, [(0, dict(prompt_ids=prompts[1], **kw))], {})
+    assert got[0].tokens == want
+    others = [(1, dict(prompt_ids=prompts[0], max_new_tokens=MAX_NEW)),  # greedy
+              (2, dict(prompt_ids=prompts[2], max_new_tokens=MAX_NEW, temperature=1.0, seed=3))]
+    got = _drain(slots, others[:1] + [(0, dict(prompt_ids=prompts[1], **kw))] + others[1:], {})
+    assert got[0].tokens == want
+    assert got[1].tokens == eagle3_jax.generate(target, drafter, [prompts[0]], tree=tree,
+                                                max_new_tokens=MAX_NEW).tokens[0]
+
+
+def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
+    target, drafter, tok, prompts = pair
+    slots = Slots(target, None, num_slots=2, max_len=96, tokenizer=tok)
+    slots.insert(0, prompts[0], max_new_tokens=50)
+    with pytest.raises(ValueError, match="slot 0 holds a running request"):
+        slots.insert(0, prompts[1], max_new_tokens=8)
+    slots.run(2)
+    assert slots.poll()[0].active
+    slots.release(0)
+    views = slots.poll()
+    assert not views[0].active and not views[1].active
+    slots.insert(0, prompts[1], max_new_tokens=8)  # free again
+    with pytest.raises(ValueError, match="max_new_tokens: a prompt of"):
+        slots.insert(1, prompts[1], max_new_tokens=96)
+    with pytest.raises(ValueError, match="slot must be in"):
+        slots.insert(2, prompts[1], max_new_tokens=8)
+    with pytest.raises(ValueError, match="temperature"):
+        slots.insert(1, prompts[1], max_new_tokens=8, temperature=-1.0)
+    with pytest.raises(ValueError, match="max_len"):
+        Slots(target, None, num_slots=1, max_len=10 ** 6)
+    slots.run(20)
+    v = slots.poll()[0]
+    assert v.done and v.finish_reason in ("stop", "length") and len(v.tokens) <= 8
+    assert np.all(np.asarray(v.tokens) < target.config.vocab_size)
