@@ -2,14 +2,17 @@
 EAGLE-3 drafters (``pytorch_model.bin`` read without torch, or safetensors), and
 drafter export in the official format.
 
-Tensors are read one at a time straight onto the device (or the sharding given);
-PyTorch ``Linear`` weights ``[out, in]`` become Flax ``[in, out]``.
+Names, shapes and layouts come from the models' parameter declarations (``declare(cfg)``).
+Tensors are read one at a time straight onto the device; with a mesh (or shardings) each
+parameter is assembled from per-device blocks read from the files.  PyTorch ``Linear``
+weights ``[out, in]`` become Flax ``[in, out]``.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import functools
 import io
 import json
 import math
@@ -63,7 +66,8 @@ INFLATION_SLACK = 1 << 20  # ... plus 1 MiB (torch.save stores entries uncompres
 
 
 def _check_finite(arr, file: Path, name: str):
-    if jnp.issubdtype(arr.dtype, jnp.inexact) and not bool(jnp.isfinite(arr).all()):
+    xp = np if isinstance(arr, np.ndarray) else jnp  # a numpy block is checked on the host
+    if jnp.issubdtype(arr.dtype, jnp.inexact) and not bool(xp.isfinite(arr).all()):
         raise ValueError(f"{file}: tensor {name!r} holds NaN or infinite values")
 
 
@@ -154,6 +158,20 @@ class SafetensorsSource:
         file = self.path_of(name)
         try:
             arr = self._open(file).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
+        _check_finite(arr, file, name)
+        return arr
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Block ``index`` of tensor ``name`` (stored layout) as a numpy array, read alone
+        through ``get_slice``: the file is mapped only while the block is read.  NaN or
+        infinity in the block is refused."""
+        file = self.path_of(name)
+        self._open(file)  # a missing or corrupt shard fails here, as in get()
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                arr = f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
         _check_finite(arr, file, name)
@@ -395,6 +413,13 @@ class TorchPickleSource:
         _check_finite(arr, self.file, name)
         return arr
 
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Block ``index`` of tensor ``name`` as a numpy array (NaN / infinity refused)."""
+        self.path_of(name)
+        arr = self.tensors[name][index]
+        _check_finite(arr, self.file, name)
+        return arr
+
 
 def open_weights(directory: Path):
     """The weight source of a checkpoint directory (safetensors first, then pytorch_model.bin)."""
@@ -405,23 +430,118 @@ def open_weights(directory: Path):
     raise FileNotFoundError(f"{directory}: no model.safetensors(.index.json) or pytorch_model.bin")
 
 
-def _fetch(source, name: str, shape, transpose: bool, dtype, sharding=None):
-    """Weight ``name``: its stored shape checked against ``shape`` (given after the
-    ``[out, in]`` → ``[in, out]`` transpose) before its data is read; then floating point and
-    finite, cast to ``dtype``."""
+def _check_shape(source, name: str, shape, transpose: bool) -> Path:
+    """The stored shape of ``name`` checked against ``shape`` (given after the ``[out, in]`` →
+    ``[in, out]`` transpose), from the file header, before any data is read."""
     file = source.path_of(name)
     stored = tuple(source.shape(name))
     got = stored[::-1] if transpose else stored
     if shape is not None and got != tuple(shape):
         note = " (after [out,in]→[in,out])" if transpose else ""
         raise ValueError(f"{file}: tensor {name!r}: expected shape {tuple(shape)}{note}, got {got}")
-    arr = source.get(name)
+    return file
+
+
+def _check_float(arr, file: Path, name: str):
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise ValueError(f"{file}: tensor {name!r} has dtype {arr.dtype}; weights must be floating point")
+
+
+def _fetch(source, name: str, shape, transpose: bool, dtype, sharding=None):
+    """Weight ``name``: its stored shape checked against ``shape`` (given after the
+    ``[out, in]`` → ``[in, out]`` transpose) before its data is read; then floating point and
+    finite, cast to ``dtype``."""
+    file = _check_shape(source, name, shape, transpose)
+    arr = source.get(name)
+    _check_float(arr, file, name)
     if transpose:
         arr = arr.T
     arr = arr.astype(dtype)
     return jax.device_put(arr, sharding) if sharding is not None else arr
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape, dtype, sharding):
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_layer(buf, layer, i):
+    return jax.lax.dynamic_update_index_in_dim(buf, layer, i, 0)
+
+
+def _assemble(read, shape, sharding) -> jax.Array:
+    """A global array from per-device blocks ``read(index) -> np.ndarray``: each distinct
+    block is read once, put on the devices holding it and dropped before the next is read."""
+    groups: dict[tuple, list] = {}  # distinct block → the devices holding it
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        groups.setdefault(tuple(s.indices(n)[:2] for s, n in zip(index, shape)), []).append(device)
+    arrays = []
+    for bounds, devices in groups.items():
+        host = read(tuple(slice(a, b) for a, b in bounds))
+        arrays += [jax.device_put(host, d) for d in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _fetch_sharded(source, info, dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Parameter ``info`` (a :class:`~eagle3_jax.params.ParamInfo`) as a global array on
+    ``sharding``, built from per-device blocks read straight from the checkpoint (see
+    ``_assemble``).  A stacked parameter is written one layer at a time into a sharded
+    buffer (donated, so updated in place).  No host or device holds more than its share
+    plus one layer's block in flight.  Shapes are checked from the headers before any data
+    is read."""
+    names, shape = info.checkpoint_names(), info.shape
+    files = [_check_shape(source, n, shape[1:] if info.stacked else shape, info.transpose) for n in names]
+    np_dtype = np.dtype(dtype)
+
+    def reader(k: int):
+        def read(index) -> np.ndarray:
+            arr = source.read(names[k], index[::-1] if info.transpose else index)
+            _check_float(arr, files[k], names[k])
+            return np.ascontiguousarray((arr.T if info.transpose else arr).astype(np_dtype, copy=False))
+        return read
+
+    if not info.stacked:
+        return _assemble(reader(0), shape, sharding)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        layer_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        layer_sharding = sharding
+    else:
+        raise TypeError(f"sharding of {info.checkpoint!r}: a stacked parameter takes a NamedSharding or a "
+                        f"SingleDeviceSharding, got {type(sharding).__name__}")
+    buf = _zeros(shape, dtype, sharding)
+    for i in range(shape[0]):
+        buf = _put_layer(buf, _assemble(reader(i), shape[1:], layer_sharding), i)
+    return buf
+
+
+def _replicated(value, mesh):
+    """``value`` on every device of ``mesh`` (as is without a mesh)."""
+    return value if mesh is None else jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _param_shardings(decl, path: Path, mesh, rules, shardings) -> dict:
+    """The per-parameter shardings of a load: from ``mesh`` and ``rules``, or given."""
+    if mesh is not None and shardings is not None:
+        raise ValueError("pass mesh= (with optional rules=) or shardings=, not both")
+    if rules is not None and mesh is None:
+        raise ValueError("rules= needs mesh=")
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh), got "
+                            f"{type(mesh).__name__}")
+        try:
+            return decl.shardings(mesh, rules)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    shardings = dict(shardings or {})
+    unknown = sorted(set(shardings) - {n for n, _ in decl.present()})
+    if unknown:
+        raise ValueError(f"shardings: no parameter named {', '.join(map(repr, unknown))} in {path}")
+    return shardings
 
 
 def _fetch_ids(source, name: str, length: int, kinds: str) -> np.ndarray:
@@ -438,23 +558,8 @@ def _fetch_ids(source, name: str, length: int, kinds: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- target
-_TARGET_LAYER_NAMES = {
-    "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False), "bo": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
-    "attn_norm": ("input_layernorm.weight", False), "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True), "b_gate": ("mlp.gate_proj.bias", False),
-    "b_up": ("mlp.up_proj.bias", False), "b_down": ("mlp.down_proj.bias", False),
-}
-_TARGET_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False),
-                     "lm_head": ("lm_head.weight", True)}
-
-
 def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = "xla",
-                shardings: dict[str, jax.sharding.Sharding] | None = None):
+                shardings: dict[str, jax.sharding.Sharding] | None = None, mesh=None, rules=None):
     """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint directory.
 
     Args:
@@ -467,12 +572,21 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
         Hopper GPU for bfloat16/float16; the XLA reference elsewhere), or
         ``"pallas_interpret"`` / ``"pallas_interpret_gpu"`` (the TPU / GPU kernel in its
         CPU interpreter).
-      shardings: optional per-parameter shardings (see ``eagle3_jax.sharding``).
+      shardings: optional ``{parameter: Sharding}``; those parameters are built from
+        per-device blocks as with ``mesh``.
+      mesh: a ``jax.sharding.Mesh``: every parameter is sharded by its declared logical axes
+        (:func:`eagle3_jax.models.target.declare`) and ``rules`` (entries over
+        ``eagle3_jax.sharding.RULES``), each global array assembled from per-device blocks
+        read straight from the safetensors files (stacked layers one layer at a time), so no
+        host or device holds more than its share plus one block in flight.  A dimension the
+        mesh cannot split raises before anything is read.  Without a mesh (and without
+        ``shardings``) every tensor goes to the default device.
+      rules: logical-axis rules overriding ``eagle3_jax.sharding.RULES`` (with ``mesh``).
 
     Returns:
       A :class:`~eagle3_jax.models.target.Target`.
     """
-    from eagle3_jax.models.target import Target, param_shapes
+    from eagle3_jax.models.target import Target, declare
 
     from eagle3_jax.layers import ATTENTION_IMPLS
 
@@ -485,43 +599,26 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
         raise ValueError(f"{path / 'config.json'}: key 'torch_dtype' = {cfg.torch_dtype!r} is not one of "
                          f"{sorted(DTYPES)}; pass dtype= to choose one")
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    decl = declare(cfg)
+    shardings = _param_shardings(decl, path, mesh, rules, shardings)
     source = open_weights(path)
     model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
-    shardings = shardings or {}
-    for name, shape in param_shapes(cfg).items():
-        if shape is None:
-            continue
-        if name in _TARGET_TOP_NAMES:
-            hf, transpose = _TARGET_TOP_NAMES[name]
-            value = _fetch(source, hf, shape, transpose, dtype, shardings.get(name))
-        else:
-            hf, transpose = _TARGET_LAYER_NAMES[name]
-            per_layer = [_fetch(source, f"model.layers.{i}.{hf}", shape[1:], transpose, dtype)
-                         for i in range(cfg.num_layers)]
+    for name, info in decl.present():
+        pdtype = decl.dtype_of(name, dtype)
+        if name in shardings:
+            value = _fetch_sharded(source, info, pdtype, shardings[name])
+        elif info.stacked:
+            per_layer = [_fetch(source, n, info.shape[1:], info.transpose, pdtype) for n in info.checkpoint_names()]
             value = jnp.stack(per_layer)
             del per_layer
-            if name in shardings:
-                value = jax.device_put(value, shardings[name])
+        else:
+            value = _fetch(source, info.checkpoint, info.shape, info.transpose, pdtype)
         getattr(model, name).set_value(value)
-    model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    model.inv_freq.set_value(_replicated(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)), mesh))
     return model
 
 
 # --------------------------------------------------------------------------- drafter
-# Our name -> (official state-dict name, transpose)
-_DRAFTER_NAMES = {
-    "fc": ("fc.weight", True),
-    "hidden_norm": ("midlayer.hidden_norm.weight", False),
-    "input_norm": ("midlayer.input_layernorm.weight", False),
-    "post_norm": ("midlayer.post_attention_layernorm.weight", False),
-    "wq": ("midlayer.self_attn.q_proj.weight", True), "wk": ("midlayer.self_attn.k_proj.weight", True),
-    "wv": ("midlayer.self_attn.v_proj.weight", True), "wo": ("midlayer.self_attn.o_proj.weight", True),
-    "w_gate": ("midlayer.mlp.gate_proj.weight", True), "w_up": ("midlayer.mlp.up_proj.weight", True),
-    "w_down": ("midlayer.mlp.down_proj.weight", True),
-    "norm": ("norm.weight", False), "lm_head": ("lm_head.weight", True),
-}
-
-
 def is_drafter_config(raw: dict) -> bool:
     archs = raw.get("architectures") or []
     archs = archs if isinstance(archs, list) else []
@@ -555,8 +652,11 @@ class _Renamed:
     def get(self, name):
         return self.source.get(self.alias.get(name, name))
 
+    def read(self, name, index):
+        return self.source.read(self.alias.get(name, name), index)
 
-def load_drafter(path, *, target=None, embed=None, dtype=None):
+
+def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=None):
     """Loads an EAGLE-3 drafter checkpoint directory.
 
     Reads the official release layout (``config.json`` + ``pytorch_model.bin``, read
@@ -565,24 +665,34 @@ def load_drafter(path, *, target=None, embed=None, dtype=None):
     unless the checkpoint carries ``embed_tokens.weight``; pass ``embed`` instead of a
     target to give the table directly.  The pair is validated: hidden sizes, vocab
     size, ``d2t`` range and ``t2d`` consistency, captured-layer ids.
+
+    ``mesh`` / ``rules``: as in :func:`load_target` (parameters sharded by their declared
+    logical axes, :func:`eagle3_jax.models.drafter.declare`, and built from per-device
+    blocks; the shared embedding placed on its declared sharding; the vocabulary map and
+    rotary frequencies replicated).
     """
-    from eagle3_jax.models.drafter import Drafter, param_shapes
+    from eagle3_jax.models.drafter import Drafter, declare
 
     path = Path(path)
     raw = read_config_json(path)
     cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
+    decl = declare(cfg)
+    shardings = _param_shardings(decl, path, mesh, rules, None)
     source = _Renamed(open_weights(path))
     dtype = resolve_dtype(dtype, "float32" if target is None else jnp.dtype(target.dtype).name)
     if target is not None:
         _check_pair(cfg, target.config, path)
-    own = "embed_tokens.weight" in source.names()
+    embed_info = decl.params["embed"]
+    own = embed_info.checkpoint in source.names()
     if own:
-        embed = _fetch(source, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), False, dtype)
+        embed = (_fetch_sharded(source, embed_info, dtype, shardings["embed"]) if mesh is not None
+                 else _fetch(source, embed_info.checkpoint, embed_info.shape, False, dtype))
     elif target is not None:
         embed = target.embed[...]
     elif embed is None:
-        raise ValueError(f"{path}: the checkpoint has no embed_tokens.weight; pass target= (or embed=) to share the target's")
-    if tuple(jnp.shape(embed)) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"{path}: the checkpoint has no {embed_info.checkpoint}; pass target= (or embed=) to share "
+                         f"the target's")
+    if tuple(jnp.shape(embed)) != embed_info.shape:
         raise ValueError(f"{path}: embedding shape {tuple(jnp.shape(embed))} does not match the drafter's "
                          f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})")
 
@@ -591,13 +701,18 @@ def load_drafter(path, *, target=None, embed=None, dtype=None):
         d2t = _fetch_ids(source, "d2t", cfg.draft_vocab_size, "iu").astype(np.int64)
         t2d = _fetch_ids(source, "t2d", cfg.vocab_size, "biu") if "t2d" in source.names() else None
         _check_vocab_map(d2t, t2d, cfg, path)
-    model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros((cfg.vocab_size, cfg.hidden_size)), dtype=dtype))
-    for name, shape in param_shapes(cfg).items():
-        hf, transpose = _DRAFTER_NAMES[name]
-        getattr(model, name).set_value(_fetch(source, hf, shape, transpose, dtype))
-    model.embed.set_value(jnp.asarray(embed, dtype))
-    model.d2t.set_value(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32))
-    model.inv_freq.set_value(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
+    model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros(embed_info.shape), dtype=dtype))
+    for name, info in decl.present():
+        if info.frozen:
+            continue
+        pdtype = decl.dtype_of(name, dtype)
+        getattr(model, name).set_value(_fetch_sharded(source, info, pdtype, shardings[name]) if mesh is not None
+                                       else _fetch(source, info.checkpoint, info.shape, info.transpose, pdtype))
+    embed = jnp.asarray(embed, dtype)
+    model.embed.set_value(embed if mesh is None else jax.device_put(embed, shardings["embed"]))
+    model.d2t.set_value(_replicated(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None
+                                    else jnp.asarray(d2t, jnp.int32), mesh))
+    model.inv_freq.set_value(_replicated(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)), mesh))
     model.own_embedding = own
     return model
 
@@ -640,7 +755,7 @@ def save_drafter(drafter, path, *, dtype="float32") -> Path:
 
     ``path`` is replaced whole and atomically, as described in :func:`save_target`.
     """
-    from eagle3_jax.models.drafter import Drafter, param_shapes
+    from eagle3_jax.models.drafter import Drafter, declare
 
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter: expected an eagle3_jax Drafter (e.g. from load_drafter), got {type(drafter).__name__}")
@@ -650,16 +765,16 @@ def save_drafter(drafter, path, *, dtype="float32") -> Path:
     config = {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name}
     if cfg.target_hidden_size == cfg.hidden_size:
         config.pop("target_hidden_size", None)
+    ship_embed = drafter.own_embedding or "target_hidden_size" in config
     tensors = {}
-    for name in param_shapes(cfg):
-        hf, transpose = _DRAFTER_NAMES[name]
+    for name, info in declare(cfg).present():
+        if name == "embed" and not ship_embed:
+            continue
         arr = getattr(drafter, name)[...].astype(dtype)
-        tensors[hf] = arr.T if transpose else arr
+        tensors[info.checkpoint] = arr.T if info.transpose else arr
     if cfg.has_vocab_map:
         tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)  # numpy: int64 even without jax x64
         tensors["t2d"] = np.asarray(drafter.t2d)
-    if drafter.own_embedding or "target_hidden_size" in config:
-        tensors["embed_tokens.weight"] = drafter.embed[...].astype(dtype)
     return _write(path, tensors, {"config.json": config})
 
 
@@ -683,7 +798,7 @@ def save_target(target, path, *, dtype="float32", tokenizer=None, generation_con
     files.  Files get the mode a plain ``open`` gives (umask); a replaced directory keeps
     its mode.
     """
-    from eagle3_jax.models.target import Target, param_shapes
+    from eagle3_jax.models.target import Target, declare
 
     if not isinstance(target, Target):
         raise TypeError(f"target: expected an eagle3_jax Target (e.g. from load_target), got {type(target).__name__}")
@@ -703,17 +818,11 @@ def save_target(target, path, *, dtype="float32", tokenizer=None, generation_con
             raise TypeError(f"generation_config: not JSON-serialisable ({e})") from None
     _check_output(path)
     tensors = {}
-    for name, shape in param_shapes(cfg).items():
-        if shape is None:
-            continue
+    for name, info in declare(cfg).present():
         value = getattr(target, name)[...].astype(dtype)
-        if name in _TARGET_TOP_NAMES:
-            hf, transpose = _TARGET_TOP_NAMES[name]
-            tensors[hf] = value.T if transpose else value
-        else:
-            hf, transpose = _TARGET_LAYER_NAMES[name]
-            for i in range(cfg.num_layers):
-                tensors[f"model.layers.{i}.{hf}"] = value[i].T if transpose else value[i]
+        blocks = list(value) if info.stacked else [value]
+        for hf, block in zip(info.checkpoint_names(), blocks):
+            tensors[hf] = block.T if info.transpose else block
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,

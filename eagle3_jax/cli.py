@@ -316,11 +316,69 @@ def write_atomic(path: Path, text: str):
         tmp.unlink(missing_ok=True)
 
 
+def _cmd_serve(args) -> int:
+    from eagle3_jax.serve.app import check_port, serve_main
+
+    check_port(args.host, args.port)
+    target, drafter, tok, is_builtin = _load_pair(args)
+    return serve_main(args, target, drafter, tok, is_builtin)
+
+
+def _cmd_replay(args) -> int:
+    from eagle3_jax.serve.replay import replay_main
+
+    json_path = check_output_path(args.json, "--json")
+    figure_path = check_output_path(args.figure, "--figure")
+    if json_path.absolute() == figure_path.absolute():
+        raise ValueError(f"--json and --figure name the same file ({json_path})")
+    if args.target is not None and args.drafter is None:
+        raise ValueError("replay needs --drafter (or no --target, for the built-in pair)")
+    target, drafter, tok, is_builtin = _load_pair(args)
+    return replay_main(args, target, drafter, tok, is_builtin, json_path, figure_path)
+
+
+def _speculation(text: str):
+    """``--speculation``: ``auto``, ``off`` or one tier (TOTAL,DEPTH,TOPK or chainN)."""
+    return text if text in ("auto", "off") else _tree(text)
+
+
+def _serve_common(p):
+    """The pair and the slots, for ``serve`` and ``replay``."""
+    p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
+    p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="target weights' dtype (default: the checkpoint's; float32 built in)")
+    p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS, help="target attention (as for generate)")
+    p.add_argument("--max-batch", type=_number(int, "max-batch", lo=1), default=8, help="slots decoded together")
+    p.add_argument("--max-queue", type=_number(int, "max-queue", lo=0), default=64,
+                   help="requests waiting for a slot before new ones get 429")
+    p.add_argument("--max-len", type=_number(int, "max-len", lo=2), default=None,
+                   help="tokens per slot, prompt included (default: the target's max_position_embeddings, at most 4096)")
+    p.add_argument("--rounds-per-dispatch", type=_number(int, "rounds-per-dispatch", lo=1), default=4,
+                   help="decode rounds per host sync while no request waits")
+    p.add_argument("--reasoning-effort-budgets", type=_budget, nargs=3, metavar=("LOW", "MEDIUM", "HIGH"),
+                   help="thinking budgets of reasoning_effort low/medium/high (default: 16 64 unlimited for the "
+                        "built-in pair, else 256 1024 unlimited)")
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
+
+
 def _cmd_train(args) -> int:
     from eagle3_jax.train import pipeline
 
     cfg = pipeline.load_config(args.config, args.overrides)
     pipeline.run(args.step, cfg, resume=not args.no_resume)
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from eagle3_jax import plan
+    from eagle3_jax.sharding import parse_mesh
+
+    mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    memory = None if args.device_memory is None else plan.parse_bytes(args.device_memory)
+    p = plan.plan(args.config, mesh=mesh, batch=args.batch, seq_len=args.seq_len, device_memory=memory,
+                  target_config=args.target_config, overrides=args.overrides)
+    print(plan.format_plan(p, args.config))
     return 0
 
 
@@ -466,6 +524,40 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", default="experiment", help="report directory (report.md, report.json, figures)")
     exp.set_defaults(func=_cmd_experiment)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the built-in "
+                                       "pair by default)")
+    _serve_common(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=_number(int, "port", lo=0, hi=65536), default=8000)
+    srv.add_argument("--speculation", type=_speculation, default="auto",
+                     help="auto (the adaptive policy over a few tiers), off (vanilla), or one tier TOTAL,DEPTH,TOPK "
+                          "or chainN")
+    srv.add_argument("--served-model-name", help="the model id clients name (default: builtin, or the target "
+                                                 "directory's name)")
+    srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    srv.set_defaults(func=_cmd_serve)
+
+    rep = sub.add_parser("replay", help="Poisson arrivals of the eval prompts against a loopback server, for vanilla, "
+                                        "each tier and adaptive: throughput, goodput, TTFT/TPOT, the crossover")
+    _serve_common(rep)
+    rep.add_argument("--rate", type=_number(float, "rate", lo=0.0, lo_open=True), nargs="+", required=True,
+                     metavar="R", help="arrival rates in requests per second")
+    rep.add_argument("--requests", type=_number(int, "requests", lo=1), default=64, metavar="N",
+                     help="requests per mode and rate (the eval prompts, cycled)")
+    rep.add_argument("--tree", type=_tree, nargs="+", help="static tiers (default chain4 chain6 16,4,4)")
+    rep.add_argument("--max-tokens", type=_number(int, "max-tokens", lo=1), default=256, help="per request")
+    rep.add_argument("--temperature", type=_number(float, "temperature", lo=0.0), default=0.0)
+    rep.add_argument("--ttft-slo", type=_number(float, "ttft-slo", lo=0.0, lo_open=True), default=1.0, metavar="S",
+                     help="goodput counts requests whose time to first token is at most S seconds")
+    rep.add_argument("--tpot-slo", type=_number(float, "tpot-slo", lo=0.0, lo_open=True), default=0.02, metavar="S",
+                     help="... and whose time per output token is at most S seconds")
+    rep.add_argument("--max-seconds", type=_number(float, "max-seconds", lo=0.0, lo_open=True), default=120.0,
+                     help="wall-clock bound per mode and rate (unfinished requests count as failed)")
+    rep.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    rep.add_argument("--json", default="replay.json", help="write the report here")
+    rep.add_argument("--figure", default="replay.png", help="goodput vs arrival rate per mode")
+    rep.set_defaults(func=_cmd_replay)
+
     train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")
     train.add_argument("step", choices=["prepare", "regenerate", "vocab", "fit", "export", "all"])
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
@@ -477,6 +569,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "work_dir/previous_runs/run-<date-time>/ (never deleted or overwritten)")
     train.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     train.set_defaults(func=_cmd_train)
+
+    pl = sub.add_parser("plan", help="dry run of a training config on a mesh: per-device bytes of weights, KV "
+                                     "caches, drafter, optimizer state and activations (no devices needed)")
+    pl.add_argument("--config", required=True, help="YAML config (see configs/)")
+    pl.add_argument("overrides", nargs="*", help="key=value config overrides, as for train")
+    pl.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=4 (default: the config's mesh)")
+    pl.add_argument("--batch", type=_number(int, "batch", lo=1), help="KV-cache batch (default: regenerate.batch_size)")
+    pl.add_argument("--seq-len", type=_number(int, "seq-len", lo=1), help="KV-cache length (default: seq_len)")
+    pl.add_argument("--device-memory", help="memory of one device, e.g. 16GiB: say whether decode and fit fit")
+    pl.add_argument("--target-config", help="the target's config.json, where the config's target directory is "
+                                            "not on this machine (default: configs/targets/<name>.json beside it)")
+    pl.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
+    pl.set_defaults(func=_cmd_plan)
     return parser
 
 
@@ -500,7 +605,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        if extra and args.command in ("train", "plan") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = list(args.overrides) + extra
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

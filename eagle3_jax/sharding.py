@@ -1,11 +1,21 @@
-"""One logical-axis table per parameter and one rules table per mesh.
+"""Logical → physical sharding: one rules table for every array.
 
-Parameters carry logical axis names (``embed``, ``heads``, ``mlp``, …); ``RULES`` maps
-them onto the mesh axes ``(data, fsdp, tensor)``.  A dimension that the mesh axis does
-not divide is replicated rather than rejected, so tiny test models shard on any mesh.
+Parameters carry logical axis names (``embed``, ``heads``, ``mlp``, …) in their declarations
+(:mod:`eagle3_jax.params`); ``RULES`` maps each logical axis onto mesh axes of the
+``(data, fsdp, tensor)`` mesh.  A dimension that its mesh axes do not divide raises a
+``ValueError`` naming the array, the axis and the mesh, unless its rule says
+``fewer="replicate"`` and the dimension has fewer units (heads) than those axes have devices:
+then it is replicated, explicitly (e.g. 8 KV heads on ``tensor=16``).  A mesh axis already
+used by an earlier dimension of the same array is not used again; mesh axes a mesh does not
+have are ignored.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -13,39 +23,97 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "vocab": "tensor",
-    "draft_vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "fused": "fsdp",
-    "layers": None,
-    "norm": None,
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Where a logical axis goes: the mesh axes it is split over (none: replicated), and
+    ``fewer``: what happens when the dimension has fewer units than those axes have devices
+    (``"raise"``, or ``"replicate"`` it)."""
+
+    mesh_axes: tuple[str, ...] = ()
+    fewer: str = "raise"
+
+    def __post_init__(self):
+        if self.fewer not in ("raise", "replicate"):
+            raise ValueError(f"Rule.fewer={self.fewer!r}: expected 'raise' or 'replicate'")
+
+
+RULES: dict[str, Rule] = {
+    "batch": Rule(("data", "fsdp")),
+    "vocab": Rule(("tensor",)),
+    "draft_vocab": Rule(("tensor",)),
+    "embed": Rule(("fsdp",)),
+    "fused": Rule(("fsdp",)),  # the drafter's 3·H feature input and 2·H attention input
+    "heads": Rule(("tensor",), fewer="replicate"),  # e.g. 2 query heads on tensor=4
+    "kv_heads": Rule(("tensor",), fewer="replicate"),  # grouped-query attention: fewer KV heads than tensor
+    "mlp": Rule(("tensor",)),
+    "layers": Rule(),
+    "norm": Rule(),
+    "seq": Rule(),
+    "head_dim": Rule(),
 }
 
-TARGET_AXES = {
-    "embed": ("vocab", "embed"),
-    "wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
-    "wo": ("layers", "heads", "embed"),
-    "bq": ("layers", "heads"), "bk": ("layers", "kv_heads"), "bv": ("layers", "kv_heads"), "bo": ("layers", "norm"),
-    "q_norm": ("layers", "norm"), "k_norm": ("layers", "norm"),
-    "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
-    "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"), "w_down": ("layers", "mlp", "embed"),
-    "b_gate": ("layers", "mlp"), "b_up": ("layers", "mlp"), "b_down": ("layers", "norm"),
-    "norm": ("norm",), "lm_head": ("embed", "vocab"),
-}
 
-DRAFTER_AXES = {
-    "fc": ("fused", "embed"),
-    "hidden_norm": ("norm",), "input_norm": ("norm",), "post_norm": ("norm",),
-    "wq": ("fused", "heads"), "wk": ("fused", "kv_heads"), "wv": ("fused", "kv_heads"), "wo": ("heads", "embed"),
-    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    "norm": ("norm",), "lm_head": ("embed", "draft_vocab"),
-    "embed": ("vocab", "embed"),
-}
+def _rule(value, axis: str) -> Rule:
+    if isinstance(value, Rule):
+        return value
+    if value is None:
+        return Rule()
+    if isinstance(value, str):
+        return Rule((value,))
+    if isinstance(value, tuple) and all(isinstance(a, str) for a in value):
+        return Rule(value)
+    raise TypeError(f"rules[{axis!r}]={value!r}: expected a Rule, a mesh axis name, a tuple of them or None")
+
+
+def resolve_rules(rules: Mapping | None = None) -> dict[str, Rule]:
+    """``RULES`` with the entries of ``rules`` over it (each a ``Rule``, a mesh axis name, a
+    tuple of names, or ``None`` for replicated)."""
+    return {**RULES, **{k: _rule(v, k) for k, v in (rules or {}).items()}}
+
+
+def spec(shape, axes, mesh, rules: Mapping | None = None, *, units: Mapping[str, int] | None = None,
+         name: str = "array") -> P:
+    """The ``PartitionSpec`` of array ``name`` of ``shape`` with logical ``axes`` on ``mesh``
+    (a ``Mesh`` or ``AbstractMesh``) by ``rules`` (entries over ``RULES``).  ``units[axis]``
+    is how many elements make one unsplittable unit along ``axis`` (a head's ``head_dim``;
+    default 1).  Raises ``ValueError`` naming ``name``, the axis and the mesh where a
+    dimension cannot be split and its rule does not say to replicate it."""
+    table = resolve_rules(rules)
+    units = units or {}
+    if len(shape) != len(axes):
+        raise ValueError(f"{name}: {len(axes)} logical axes {tuple(axes)} for shape {tuple(shape)}")
+    parts, used = [], set()
+    for dim, (dim_size, axis) in enumerate(zip(shape, axes)):
+        if axis is None:
+            parts.append(None)
+            continue
+        if axis not in table:
+            raise ValueError(f"{name}: no sharding rule for logical axis {axis!r} (dimension {dim}); known: {sorted(table)}")
+        rule = table[axis]
+        mesh_axes = tuple(a for a in rule.mesh_axes if a in mesh.shape and a not in used)
+        devices = math.prod(mesh.shape[a] for a in mesh_axes)
+        if devices == 1:
+            parts.append(None)
+            continue
+        unit = units.get(axis, 1)
+        n = dim_size // unit
+        if n % devices == 0:
+            parts.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+            used |= set(mesh_axes)
+        elif rule.fewer == "replicate" and n < devices:
+            parts.append(None)
+        else:
+            what = f"{dim_size}" + (f" = {n} units of {unit}" if unit != 1 else "")
+            raise ValueError(
+                f"{name}: dimension {dim} (logical axis {axis!r}, size {what}) cannot be split over mesh axes "
+                f"{'×'.join(mesh_axes)} ({devices} devices) of mesh {_show_mesh(mesh)}; choose another mesh or give "
+                f"rules={{{axis!r}: ...}} (e.g. None to replicate it)")
+    return P(*parts)
+
+
+def _show_mesh(mesh) -> str:
+    return "(" + ", ".join(f"{a}={s}" for a, s in mesh.shape.items()) + ")"
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -58,25 +126,55 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Me
     return Mesh(devices.reshape(data, fsdp, tensor), MESH_AXES)
 
 
-def spec(shape, logical, mesh: Mesh) -> P:
-    """PartitionSpec for ``shape`` with logical axes, replicating non-divisible dims and
-    mesh axes already used by an earlier dimension."""
-    parts, used = [], set()
-    for dim, name in zip(shape, logical):
-        axes = RULES.get(name)
-        axes = (axes,) if isinstance(axes, str) else axes
-        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        ok = axes and size > 1 and dim % size == 0 and not used & set(axes)
-        parts.append(axes if ok else None)
-        used |= set(axes) if ok else set()
-    return P(*parts)
+def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> jax.sharding.AbstractMesh:
+    """A ``(data, fsdp, tensor)`` mesh of that many devices without any devices (for plans)."""
+    for axis, size in (("data", data), ("fsdp", fsdp), ("tensor", tensor)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {axis}={size!r}: expected a positive integer")
+    return jax.sharding.AbstractMesh((data, fsdp, tensor), MESH_AXES)
 
 
-def param_shardings(shapes: dict, axes: dict, mesh: Mesh) -> dict:
-    """``{name: NamedSharding}`` for a ``{name: shape}`` table (``None`` shapes skipped)."""
-    return {n: NamedSharding(mesh, spec(s, axes[n], mesh)) for n, s in shapes.items() if s is not None}
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,tensor=4"`` → ``{"data": 2, "fsdp": 1, "tensor": 4}`` (axes not named are 1;
+    ``data=-1`` takes the remaining devices when the mesh is built)."""
+    out = dict.fromkeys(MESH_AXES, 1)
+    seen = set()
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", item)
+        if not m:
+            raise ValueError(f"mesh {text!r}: expected axis=size items separated by commas, e.g. data=2,tensor=4")
+        axis, size = m.group(1), int(m.group(2))
+        if axis not in MESH_AXES:
+            raise ValueError(f"mesh {text!r}: unknown axis {axis!r}; expected some of {', '.join(MESH_AXES)}")
+        if axis in seen:
+            raise ValueError(f"mesh {text!r}: axis {axis!r} given twice")
+        if size < 1 and not (axis == "data" and size == -1):
+            raise ValueError(f"mesh {text!r}: {axis}={size} must be >= 1" + (" (or -1)" if axis == "data" else ""))
+        out[axis] = size
+        seen.add(axis)
+    if not seen:
+        raise ValueError(f"mesh {text!r}: expected axis=size items, e.g. data=2,tensor=4")
+    return out
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch split over (data, fsdp); other dimensions replicated."""
-    return NamedSharding(mesh, P(RULES["batch"], *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(RULES["batch"].mesh_axes, *([None] * (ndim - 1))))
+
+
+# ----------------------------------------------------------------- compatibility
+def param_shardings(shapes: dict, axes: dict, mesh: Mesh) -> dict:
+    """``{name: NamedSharding}`` for a ``{name: shape}`` table and a ``{name: logical axes}``
+    table (``None`` shapes skipped).  Prefer ``declare(cfg).shardings(mesh)`` of the model,
+    which also keeps heads whole."""
+    return {n: NamedSharding(mesh, spec(s, axes[n], mesh, name=n)) for n, s in shapes.items() if s is not None}
+
+
+def __getattr__(name):
+    """``TARGET_AXES`` / ``DRAFTER_AXES``: ``{parameter: logical axes}`` derived from the
+    models' declarations (kept for callers of the former tables)."""
+    if name in ("TARGET_AXES", "DRAFTER_AXES"):
+        from eagle3_jax.models import drafter, target
+
+        return (target if name == "TARGET_AXES" else drafter).logical_axes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

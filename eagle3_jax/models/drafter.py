@@ -13,27 +13,50 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import layers
-from eagle3_jax.config import DrafterConfig
+from eagle3_jax.config import DrafterConfig, RopeConfig
 from eagle3_jax.kv_cache import KVCache, init_cache, write
-
-ATTN_PARAMS = ("wq", "wk", "wv", "wo")
-MLP_PARAMS = ("w_gate", "w_up", "w_down")
+from eagle3_jax.params import Declaration, ParamInfo, fan_in_normal, ones
 
 
 class Frozen(nnx.Variable):
     """Arrays the drafter uses but never trains: the shared embedding and the vocab map."""
 
 
+def declare(cfg: DrafterConfig) -> Declaration:
+    """Every parameter of the drafter, declared once, in the official EAGLE-3 state-dict
+    names (Flax layout); init, ``eval_shape``, sharding, loading and saving derive from it.
+    ``embed`` is the target's table unless the checkpoint brings ``embed_tokens.weight``."""
+    H, I, F = cfg.hidden_size, cfg.intermediate_size, 3 * cfg.target_hidden_size
+    NQ, NK, D = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    w, m = fan_in_normal, "midlayer."
+    return Declaration(units={"heads": D, "kv_heads": D}, params={
+        "fc": ParamInfo((F, H), ("fused", "embed"), "fc.weight", w, True),
+        "hidden_norm": ParamInfo((H,), ("norm",), m + "hidden_norm.weight", ones),
+        "input_norm": ParamInfo((H,), ("norm",), m + "input_layernorm.weight", ones),
+        "post_norm": ParamInfo((H,), ("norm",), m + "post_attention_layernorm.weight", ones),
+        "wq": ParamInfo((2 * H, NQ), ("fused", "heads"), m + "self_attn.q_proj.weight", w, True),
+        "wk": ParamInfo((2 * H, NK), ("fused", "kv_heads"), m + "self_attn.k_proj.weight", w, True),
+        "wv": ParamInfo((2 * H, NK), ("fused", "kv_heads"), m + "self_attn.v_proj.weight", w, True),
+        "wo": ParamInfo((NQ, H), ("heads", "embed"), m + "self_attn.o_proj.weight", w, True),
+        "w_gate": ParamInfo((H, I), ("embed", "mlp"), m + "mlp.gate_proj.weight", w, True),
+        "w_up": ParamInfo((H, I), ("embed", "mlp"), m + "mlp.up_proj.weight", w, True),
+        "w_down": ParamInfo((I, H), ("mlp", "embed"), m + "mlp.down_proj.weight", w, True),
+        "norm": ParamInfo((H,), ("norm",), "norm.weight", ones),
+        "lm_head": ParamInfo((H, cfg.draft_vocab_size), ("embed", "draft_vocab"), "lm_head.weight", w, True),
+        "embed": ParamInfo((cfg.vocab_size, H), ("vocab", "embed"), "embed_tokens.weight", None, frozen=True),
+    })
+
+
 def param_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    NQ, NK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {
-        "fc": (3 * cfg.target_hidden_size, H),
-        "hidden_norm": (H,), "input_norm": (H,), "post_norm": (H,),
-        "wq": (2 * H, NQ), "wk": (2 * H, NK), "wv": (2 * H, NK), "wo": (NQ, H),
-        "w_gate": (H, I), "w_up": (H, I), "w_down": (I, H),
-        "norm": (H,), "lm_head": (H, cfg.draft_vocab_size),
-    }
+    """The trainable parameters' shapes (from :func:`declare`)."""
+    return {n: p.shape for n, p in declare(cfg).present() if not p.frozen}
+
+
+def logical_axes() -> dict[str, tuple[str, ...]]:
+    """``{parameter: logical axes}`` of the drafter (from :func:`declare`)."""
+    cfg = DrafterConfig(vocab_size=8, draft_vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=1,
+                        num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(), target_hidden_size=8)
+    return {n: p.axes for n, p in declare(cfg).present()}
 
 
 class Drafter(nnx.Module):
@@ -46,13 +69,9 @@ class Drafter(nnx.Module):
         self.dtype = dtype
         self.own_embedding = own_embedding
         rngs = rngs or nnx.Rngs(0)
-        for name, shape in param_shapes(cfg).items():
-            if name.endswith("norm"):
-                value = jnp.ones(shape, dtype)
-            else:
-                value = (jax.random.normal(rngs.params(), shape) / jnp.sqrt(shape[0])).astype(dtype)
-            setattr(self, name, nnx.Param(value))
-        self.embed = Frozen(jnp.asarray(embed_VxH, dtype))
+        decl = declare(cfg)
+        for name, value in decl.initial_values(dtype, rngs.params, given={"embed": embed_VxH}).items():
+            setattr(self, name, (Frozen if decl.params[name].frozen else nnx.Param)(value))
         d2t = jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None else jnp.asarray(d2t, jnp.int32)
         self.d2t = Frozen(d2t)
         self.inv_freq = Frozen(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
@@ -118,7 +137,9 @@ class Drafter(nnx.Module):
         return layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
 
     def attn_params(self):
-        return {n: getattr(self, n)[...] for n in ATTN_PARAMS}
+        """The attention block's parameters (those declared under ``midlayer.self_attn.``), by name."""
+        return {n: getattr(self, n)[...] for n, p in declare(self.config).present()
+                if p.checkpoint.startswith("midlayer.self_attn.")}
 
     def layer_input(self, h_BxTxH, tokens_BxT):
         """``[input_layernorm(embed(tokens)) ; hidden_norm(h)]`` — embedding first."""
@@ -130,7 +151,7 @@ class Drafter(nnx.Module):
         """Residual from the un-normed ``h``, then the SwiGLU MLP block; returns pre-norm ``h``."""
         h = h_BxTxH + attn_out_BxTxH
         return h + layers.swiglu(layers.rms_norm(h, self.post_norm[...], self.config.rms_norm_eps),
-                                 *(getattr(self, n)[...] for n in MLP_PARAMS))
+                                 self.w_gate[...], self.w_up[...], self.w_down[...])
 
     def logits(self, out_hidden):
         """Draft-vocabulary logits (float32) from the pre-norm output."""

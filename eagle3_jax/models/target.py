@@ -16,31 +16,55 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax import layers
-from eagle3_jax.config import TargetConfig
+from eagle3_jax.config import RopeConfig, TargetConfig
 from eagle3_jax.kv_cache import KVCache, advance, init_cache, write
+from eagle3_jax.params import Declaration, ParamInfo, normal, ones, zeros
 
-# Flax-layout parameter shapes (stacked layers first) — used for init, loading and sharding.
-LAYER_PARAMS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
-                "attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+def declare(cfg: TargetConfig) -> Declaration:
+    """Every parameter of the target, declared once (Flax layout, stacked layers first;
+    ``None`` for parameters this family does not have): init, ``eval_shape``, sharding,
+    loading and saving all derive from this table."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    NQ, NK, D = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    w, layer = normal(0.02), "model.layers.{layer}."
+    opt = lambda flag, *a, **k: ParamInfo(*a, **k) if flag else None
+    return Declaration(units={"heads": D, "kv_heads": D}, params={
+        "embed": ParamInfo((V, H), ("vocab", "embed"), "model.embed_tokens.weight", w),
+        "wq": ParamInfo((L, H, NQ), ("layers", "embed", "heads"), layer + "self_attn.q_proj.weight", w, True),
+        "wk": ParamInfo((L, H, NK), ("layers", "embed", "kv_heads"), layer + "self_attn.k_proj.weight", w, True),
+        "wv": ParamInfo((L, H, NK), ("layers", "embed", "kv_heads"), layer + "self_attn.v_proj.weight", w, True),
+        "wo": ParamInfo((L, NQ, H), ("layers", "heads", "embed"), layer + "self_attn.o_proj.weight", w, True),
+        "bq": opt(cfg.qkv_bias, (L, NQ), ("layers", "heads"), layer + "self_attn.q_proj.bias", zeros),
+        "bk": opt(cfg.qkv_bias, (L, NK), ("layers", "kv_heads"), layer + "self_attn.k_proj.bias", zeros),
+        "bv": opt(cfg.qkv_bias, (L, NK), ("layers", "kv_heads"), layer + "self_attn.v_proj.bias", zeros),
+        "bo": opt(cfg.o_bias, (L, H), ("layers", "norm"), layer + "self_attn.o_proj.bias", zeros),
+        "q_norm": opt(cfg.qk_norm, (L, D), ("layers", "norm"), layer + "self_attn.q_norm.weight", ones),
+        "k_norm": opt(cfg.qk_norm, (L, D), ("layers", "norm"), layer + "self_attn.k_norm.weight", ones),
+        "attn_norm": ParamInfo((L, H), ("layers", "norm"), layer + "input_layernorm.weight", ones),
+        "mlp_norm": ParamInfo((L, H), ("layers", "norm"), layer + "post_attention_layernorm.weight", ones),
+        "w_gate": ParamInfo((L, H, I), ("layers", "embed", "mlp"), layer + "mlp.gate_proj.weight", w, True),
+        "w_up": ParamInfo((L, H, I), ("layers", "embed", "mlp"), layer + "mlp.up_proj.weight", w, True),
+        "w_down": ParamInfo((L, I, H), ("layers", "mlp", "embed"), layer + "mlp.down_proj.weight", w, True),
+        "b_gate": opt(cfg.mlp_bias, (L, I), ("layers", "mlp"), layer + "mlp.gate_proj.bias", zeros),
+        "b_up": opt(cfg.mlp_bias, (L, I), ("layers", "mlp"), layer + "mlp.up_proj.bias", zeros),
+        "b_down": opt(cfg.mlp_bias, (L, H), ("layers", "norm"), layer + "mlp.down_proj.bias", zeros),
+        "norm": ParamInfo((H,), ("norm",), "model.norm.weight", ones),
+        "lm_head": opt(not cfg.tie_word_embeddings, (H, V), ("embed", "vocab"), "lm_head.weight", w, True),
+    })
 
 
 def param_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...] | None]:
-    """Every parameter's shape, ``None`` for parameters this family does not have."""
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    NQ, NK = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    opt = lambda flag, shape: shape if flag else None
-    return {
-        "embed": (V, H),
-        "wq": (L, H, NQ), "wk": (L, H, NK), "wv": (L, H, NK), "wo": (L, NQ, H),
-        "bq": opt(cfg.qkv_bias, (L, NQ)), "bk": opt(cfg.qkv_bias, (L, NK)), "bv": opt(cfg.qkv_bias, (L, NK)),
-        "bo": opt(cfg.o_bias, (L, H)),
-        "q_norm": opt(cfg.qk_norm, (L, cfg.head_dim)), "k_norm": opt(cfg.qk_norm, (L, cfg.head_dim)),
-        "attn_norm": (L, H), "mlp_norm": (L, H),
-        "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
-        "b_gate": opt(cfg.mlp_bias, (L, I)), "b_up": opt(cfg.mlp_bias, (L, I)), "b_down": opt(cfg.mlp_bias, (L, H)),
-        "norm": (H,),
-        "lm_head": None if cfg.tie_word_embeddings else (H, V),
-    }
+    """Every parameter's shape, ``None`` for parameters this family does not have (from :func:`declare`)."""
+    return declare(cfg).shapes()
+
+
+def logical_axes() -> dict[str, tuple[str, ...]]:
+    """``{parameter: logical axes}`` for every parameter any target may have (from :func:`declare`)."""
+    every = TargetConfig(family="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=1,
+                         num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(), qkv_bias=True, o_bias=True,
+                         mlp_bias=True, qk_norm=True)
+    return {n: p.axes for n, p in declare(every).present()}
 
 
 class Target(nnx.Module):
@@ -57,15 +81,8 @@ class Target(nnx.Module):
         self.attention_impl = attention_impl
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
         rngs = rngs or nnx.Rngs(0)
-        for name, shape in param_shapes(cfg).items():
-            if shape is None:
-                setattr(self, name, None)
-            elif name.endswith("norm"):
-                setattr(self, name, nnx.Param(jnp.ones(shape, dtype)))
-            elif name.startswith("b"):
-                setattr(self, name, nnx.Param(jnp.zeros(shape, dtype)))
-            else:
-                setattr(self, name, nnx.Param((0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)))
+        for name, value in declare(cfg).initial_values(dtype, rngs.params).items():
+            setattr(self, name, None if value is None else nnx.Param(value))
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
@@ -101,7 +118,7 @@ class Target(nnx.Module):
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq[...])
 
         h = self.embed[...][tokens_BxT].astype(self.dtype)
-        stacked = {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+        stacked = {n: getattr(self, n)[...] for n, p in declare(cfg).present() if p.stacked}
         capture = jnp.asarray(cfg.capture_layers)
         feats = jnp.zeros((3, B, T, cfg.hidden_size), self.dtype)
         kv = (cache.k, cache.v) if cache is not None else None  # read only inside the scan
