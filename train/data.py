@@ -3,12 +3,17 @@
 the draft-vocabulary step, and the grain pipeline.
 
 Records are stored as one ``.npz`` per stage: ``input_ids [n, seq_len] int32``,
-``loss_mask [n, seq_len] bool``, ``lengths [n]``.
+``loss_mask [n, seq_len] bool``, ``lengths [n]``.  A step run by several processes (e.g.
+regeneration on a pod) splits its items in contiguous blocks (:func:`shard_range`), each
+process writes its own shard (:func:`shard_path`) and one process joins them
+(:func:`merge_shards`) in process order, so the result is what one process would write.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -175,11 +180,76 @@ def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens
 
 
 def save_records(records: dict, path: str | Path):
+    """Writes ``records`` (or any arrays) to the ``.npz`` file ``path`` atomically (see :func:`write_atomic`)."""
+    write_atomic(path, lambda f: np.savez(f, **records))
+
+
+def write_json(obj, path: str | Path):
+    """Writes ``obj`` as JSON to ``path`` atomically (see :func:`write_atomic`)."""
+    write_atomic(path, lambda f: f.write(json.dumps(obj).encode()))
+
+
+def write_atomic(path: str | Path, write):
+    """``write(binary file)`` into a fresh file beside ``path`` (``.NAME.tmp-PID``), then
+    renamed over ``path``: ``path`` is the old or the new file, never a partial one, and two
+    processes never write the same temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **records)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def shard_range(n: int, index: int, count: int) -> range:
+    """The items ``[lo, hi)`` of process ``index`` of ``count`` when ``n`` items are split in
+    contiguous blocks whose sizes differ by at most one: the blocks in process order are
+    ``range(n)``, each item in exactly one."""
+    if not 0 <= index < count:
+        raise ValueError(f"process index {index} is not in [0, {count})")
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def shard_path(path: str | Path, index: int, count: int) -> Path:
+    """Where process ``index`` of ``count`` writes its shard of ``path``:
+    ``regenerated.npz`` → ``regenerated.shard-00001-of-00002.npz``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.shard-{index:05d}-of-{count:05d}{path.suffix}")
+
+
+def merge_shards(path: str | Path, count: int) -> Path:
+    """Joins the ``count`` shards of ``path`` (:func:`shard_path`) in process order into
+    ``path``, written atomically, then deletes them and any shards of ``path`` an earlier,
+    killed run left.  ``.npz`` records are concatenated row-wise (same keys and
+    ``seq_len`` required); ``.json`` shards hold lists, concatenated.  A missing or
+    mismatched shard raises naming it, before ``path`` is touched."""
+    path = Path(path)
+    shards = [shard_path(path, i, count) for i in range(count)]
+    for shard in shards:
+        if not shard.is_file():
+            raise FileNotFoundError(f"{shard}: missing (process {shards.index(shard)} of {count} wrote no shard)")
+    if path.suffix == ".json":
+        parts = [json.loads(s.read_text()) for s in shards]
+        for shard, part in zip(shards, parts):
+            if not isinstance(part, list):
+                raise ValueError(f"{shard}: expected a JSON list, got a {type(part).__name__}")
+        write_json([x for part in parts for x in part], path)
+    else:
+        parts = [load_records(s) for s in shards]
+        for shard, part in zip(shards[1:], parts[1:]):
+            if sorted(part) != sorted(parts[0]) or part["input_ids"].shape[1:] != parts[0]["input_ids"].shape[1:]:
+                raise ValueError(f"{shard}: arrays {sorted(part)} of seq_len {part['input_ids'].shape[1]} disagree "
+                                 f"with {shards[0]} ({sorted(parts[0])}, seq_len {parts[0]['input_ids'].shape[1]})")
+        save_records({k: np.concatenate([part[k] for part in parts]) for k in parts[0]}, path)
+    mine = re.compile(rf"{re.escape(path.stem)}\.shard-\d{{5}}-of-\d{{5}}{re.escape(path.suffix)}")
+    for stale in path.parent.iterdir():
+        if mine.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
+    return path
 
 
 def load_records(path: str | Path) -> dict[str, np.ndarray]:
@@ -201,14 +271,16 @@ def load_records(path: str | Path) -> dict[str, np.ndarray]:
     return records
 
 
-def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
-            cached: dict | None = None, buckets: tuple[int, ...] = ()):
-    """An endless, shuffled, batched grain iterator over this host's share of the records.
+def dataset(records: dict, *, batch_size: int, seed: int, buckets: tuple[int, ...] = ()):
+    """An endless, shuffled, batched grain iterator over the records' global batches.
 
+    Every process builds the same sequence from the same ``seed`` (the trainer puts on each
+    process only the rows its devices hold), so a run on several processes sees the
+    batches of a single-process run.  Each batch is ``{input_ids, loss_mask, rows}``
+    (``rows``: the record indices, e.g. for cached per-record arrays).
     ``buckets``: length bucketing — batches hold rows of one bucket only, cut to that
     bucket's length (one compilation per bucket); default one bucket of ``seq_len``.
-    ``cached`` (offline mode): per-record arrays (memory-mapped target outputs) added by
-    row index.  ``iterator.get_state()`` / ``set_state()`` make resumption exact.
+    ``iterator.get_state()`` / ``set_state()`` make resumption exact.
     """
     n, seq_len = records["input_ids"].shape
     if n == 0:
@@ -218,19 +290,18 @@ def dataset(records: dict, *, batch_size: int, seed: int, process_index: int = 0
     rng = np.random.default_rng(seed)
     batches, carry = [], np.zeros(0, np.int64)
     for lo, hi in zip([0] + edges[:-1], edges):
-        rows = np.array([i for i in range(process_index, n, process_count) if lo < lengths[i] <= hi], np.int64)
+        rows = np.flatnonzero((lo < lengths) & (lengths <= hi)).astype(np.int64)
         rows = np.concatenate([carry, rows[rng.permutation(len(rows))]])  # a bucket's remainder joins the next
         full = len(rows) // batch_size * batch_size
         batches += [(hi, rows[s: s + batch_size]) for s in range(0, full, batch_size)]
         carry = rows[full:]
     if not batches:
-        raise ValueError(f"fewer than batch_size={batch_size} records per bucket on this host")
-    cached = cached or {}
+        raise ValueError(f"fewer than batch_size={batch_size} records per bucket")
 
     def load(batch):
         length, idx = batch
-        out = {"input_ids": records["input_ids"][idx, :length], "loss_mask": records["loss_mask"][idx, :length]}
-        return {**out, **{k: np.asarray(v[idx, :length]) for k, v in cached.items()}}
+        return {"input_ids": records["input_ids"][idx, :length], "loss_mask": records["loss_mask"][idx, :length],
+                "rows": idx}
 
     ds = grain.MapDataset.source(batches).shuffle(seed=seed).repeat(None).map(load)
     return ds.to_iter_dataset().__iter__()

@@ -8,6 +8,16 @@ value is read as its default's type (``FitConfig``'s annotations for ``fit``), s
 :func:`run` checks the ranges, the inputs each requested step needs and that the outputs
 can be written before the first step starts.  A fresh ``fit`` never writes over an earlier
 run: its outputs are moved to ``work_dir/previous_runs/`` first (see :func:`set_aside_run`).
+
+On several processes (JAX's multi-controller runtime: ``distributed: true``, or
+``jax.distributed.initialize`` called before :func:`run`) every process runs every step
+over one ``work_dir`` on storage they all see; each step ends on a barrier.  ``prepare``,
+``vocab``, ``export``, the setting aside of an old run, ``best/``, ``best.json`` and
+``metrics.jsonl`` are written by process 0 alone; ``regenerate`` splits the conversations
+in contiguous blocks, each process writes its shard and process 0 joins them in process
+order (:func:`eagle3_jax.train.data.merge_shards`); ``fit`` trains on the global mesh, each
+process feeding its devices' rows of the global batch (the checkpoints are orbax's
+collective saves).
 """
 
 from __future__ import annotations
@@ -226,13 +236,15 @@ def run(step: str, cfg: dict, *, resume: bool = True):
     if cfg["distributed"]:
         import jax
 
-        jax.distributed.initialize()
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize()
     if "fit" in steps:
         _before_fit(cfg, work, resume=resume)
     work.mkdir(parents=True, exist_ok=True)
     for s in steps:
         print(f"== {s}")
         globals()[f"_{s}"](cfg, work, resume=resume)
+        _barrier(f"train {s}")  # the next step (on any process) reads what this one wrote
 
 
 def check(cfg: dict, steps) -> None:
@@ -300,12 +312,26 @@ def _before_fit(cfg: dict, work: Path, *, resume: bool):
         make_mesh(**cfg["mesh"])
     except ValueError as e:
         raise ValueError(f"mesh {cfg['mesh']}: {e}") from None
-    if jax.process_index() == 0:
+    if _writer():
         set_aside_run(work, resume=resume, export_dir=cfg["export_dir"])
+    _barrier("set_aside_run")
+
+
+def _writer() -> bool:
+    """Whether this process writes the files shared by all processes (process 0 does)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _barrier(name: str):
+    """Waits until every process gets here (nothing to wait for on one process)."""
+    import jax
+
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("eagle3_jax set_aside_run")
+        multihost_utils.sync_global_devices(f"eagle3_jax {name}")
 
 
 def set_aside_run(work: Path, *, resume: bool = True, export_dir=None) -> Path | None:
@@ -358,26 +384,42 @@ def _target(cfg):
 def _prepare(cfg, work: Path, **_):
     from eagle3_jax.train import data
 
+    if not _writer():
+        return  # process 0 writes; the others wait at the step's barrier
     convs = data.load_conversations(cfg["data"])
     records = data.prepare(convs, _tokenizer(cfg), cfg["seq_len"], last_turn_only=cfg["last_turn_only"])
     data.save_records(records, work / "prepared.npz")
-    (work / "conversations.json").write_text(json.dumps(convs))
+    data.write_json(convs, work / "conversations.json")
     print(f"{len(records['input_ids'])} records, {int(records['loss_mask'].sum())} loss tokens")
 
 
 def _regenerate(cfg, work: Path, **_):
+    """Each process regenerates its block of the conversations with its own copy of the
+    target and writes its shard; process 0 then joins the shards in process order."""
+    import jax
+
     from eagle3_jax.train import data
 
     if not cfg["regenerate"]["enabled"]:
-        shutil.copy(work / "prepared.npz", work / "regenerated.npz")
+        if _writer():
+            with open(work / "prepared.npz", "rb") as src:
+                data.write_atomic(work / "regenerated.npz", lambda f: shutil.copyfileobj(src, f))
         return
     convs = json.loads((work / "conversations.json").read_text())
+    index, count = jax.process_index(), jax.process_count()
+    mine = data.shard_range(len(convs), index, count)
     r = cfg["regenerate"]
-    new, records = data.regenerate(convs, _tokenizer(cfg), _target(cfg), seq_len=cfg["seq_len"],
+    new, records = data.regenerate([convs[i] for i in mine], _tokenizer(cfg), _target(cfg), seq_len=cfg["seq_len"],
                                    max_new_tokens=r["max_new_tokens"], temperature=r["temperature"],
-                                   batch_size=r["batch_size"], last_turn_only=cfg["last_turn_only"])
-    data.save_records(records, work / "regenerated.npz")
-    (work / "regenerated.json").write_text(json.dumps(new))
+                                   batch_size=r["batch_size"], seed=mine.start, last_turn_only=cfg["last_turn_only"])
+    data.save_records(records, data.shard_path(work / "regenerated.npz", index, count))
+    data.write_json(new, data.shard_path(work / "regenerated.json", index, count))
+    print(f"regenerate: process {index} of {count}: conversations [{mine.start}, {mine.stop}): "
+          f"{len(records['input_ids'])} records")
+    _barrier("regenerate shards")
+    if _writer():
+        for name in ("regenerated.npz", "regenerated.json"):
+            data.merge_shards(work / name, count)
 
 
 def _vocab(cfg, work: Path, **_):
@@ -385,10 +427,12 @@ def _vocab(cfg, work: Path, **_):
     from eagle3_jax.vocab import build_vocab_map
     from eagle3_jax.train import data
 
+    if not _writer():
+        return
     records = data.load_records(work / "regenerated.npz")
     vocab = int(read_config_json(cfg["target"])["vocab_size"])
     d2t, t2d = build_vocab_map(records["input_ids"], records["loss_mask"], vocab, cfg["draft_vocab_size"])
-    np.savez(work / "vocab.npz", d2t=d2t, t2d=t2d)
+    data.save_records({"d2t": d2t, "t2d": t2d}, work / "vocab.npz")
     print(f"draft vocab {cfg['draft_vocab_size']} of {vocab}")
 
 
@@ -413,23 +457,35 @@ def _fit(cfg, work: Path, *, resume: bool = True):
     from eagle3_jax.train import data
     from eagle3_jax.train.trainer import FitConfig, Trainer
 
-    target = _target(cfg)
+    mesh = make_mesh(**cfg["mesh"])
+    target = eagle3_jax.load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)  # each process reads its blocks
     vocab = np.load(work / "vocab.npz")
     if cfg["drafter"]["init"]:
         drafter = eagle3_jax.load_drafter(cfg["drafter"]["init"], target=target)
     else:
         drafter = new_drafter(target, vocab["d2t"], draft_vocab_size=cfg["draft_vocab_size"], seed=cfg["drafter"]["seed"])
     trainer = Trainer(target, drafter, data.load_records(work / "regenerated.npz"), FitConfig(**cfg["fit"]),
-                      work_dir=work, mesh=make_mesh(**cfg["mesh"]))
+                      work_dir=work, mesh=mesh)
     best = trainer.fit(resume=resume)
-    (work / "best.json").write_text(json.dumps(best) + "\n")
+    if _writer():
+        data.write_atomic(work / "best.json", lambda f: f.write((json.dumps(best) + "\n").encode()))
     print(f"best simulated acceptance length {best['sim_accept_len']:.3f} at step {best['step']}")
 
 
 def _export(cfg, work: Path, **_):
+    """Process 0 re-saves ``best/``; of the target it reads only the embedding (a drafter
+    without its own shares it), so no device needs room for the whole target."""
     import eagle3_jax
+    from eagle3_jax.checkpoint import open_weights
+    from eagle3_jax.config import TargetConfig, read_config_json
+    from eagle3_jax.models.target import declare
 
+    if not _writer():
+        return
     out = Path(cfg["export_dir"] or work / "export")
-    drafter = eagle3_jax.load_drafter(work / "best", target=_target(cfg))
+    target = Path(cfg["target"])
+    tcfg = TargetConfig.from_dict(read_config_json(target), source=str(target / "config.json"))
+    embed = open_weights(target).get(declare(tcfg).params["embed"].checkpoint)
+    drafter = eagle3_jax.load_drafter(work / "best", embed=embed, dtype=cfg["dtype"])
     eagle3_jax.save_drafter(drafter, out)
     print(f"exported {out}")

@@ -1,6 +1,11 @@
 """The sharded TTT training loop: the frozen target computes features and logits
 inside the jitted step, optax AdamW updates the drafter, orbax checkpoints everything
 needed to resume exactly (params, optimizer state, step, data-iterator state).
+
+On several processes (``jax.distributed``) the mesh spans every process's devices; every
+process draws the same global batches and puts only its devices' rows of them, so the
+losses are those of one process with as many devices.  Orbax saves and restores
+collectively; ``best/`` and the metrics log are written by process 0 alone.
 """
 
 from __future__ import annotations
@@ -105,18 +110,26 @@ def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
 def cache_target_outputs(target, records: dict, directory: Path, batch_size: int = 8) -> dict:
     """Runs the frozen target once over every record and memory-maps its fused features and
     final-normed hidden states (``features.npy``, ``hidden.npy``); the logits are recomputed
-    from the hidden by the target's head inside the step.  Reused when already complete."""
-    directory.mkdir(parents=True, exist_ok=True)
+    from the hidden by the target's head inside the step.  Reused when already complete.
+    On several processes process 0 alone writes the cache, then every process maps it: a
+    target on process 0's own devices runs there while the others wait; a target spread
+    over the devices of every process (``load_target(mesh=...)``) runs on all of them and
+    its outputs are gathered to process 0."""
+    directory = Path(directory)
     ids = records["input_ids"]
     n, T = ids.shape
     H = target.config.hidden_size
     meta = {"n": n, "seq_len": T, "hidden": H, "fingerprint": int(np.asarray(ids, np.int64).sum() % (2 ** 31))}
     done = directory / "done.json"
-    if not (done.exists() and json.loads(done.read_text()) == meta):
-        dtype = np.dtype(jnp.dtype(target.dtype))
-        feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, 3 * H))
-        hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", dtype, (n, T, H))
-        graph, state = nnx.split(target)
+    graph, state = nnx.split(target)
+    spread = not all(x.is_fully_addressable for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    writer = jax.process_index() == 0
+    if (writer or spread) and not (done.exists() and json.loads(done.read_text()) == meta):
+        if writer:
+            directory.mkdir(parents=True, exist_ok=True)
+            dtype = np.dtype(jnp.dtype(target.dtype))
+            feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, 3 * H))
+            hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", dtype, (n, T, H))
         run = jax.jit(lambda st, x: nnx.merge(graph, st).trunk(x, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape))[:2])
         # positions past a row's last loss token never reach the loss: run each chunk only up to
         # its longest row, rounded up to a multiple of 32 (a few compilations, much less padding)
@@ -125,12 +138,40 @@ def cache_target_outputs(target, records: dict, directory: Path, batch_size: int
             chunk = ids[i: i + batch_size]
             Tb = min(T, -(-int(used[i: i + batch_size].max()) // 32) * 32)
             padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), T), ids.dtype)])[:, :Tb]
-            h, f = jax.device_get(run(state, jnp.asarray(padded)))
-            hidden[i: i + len(chunk), :Tb], feats[i: i + len(chunk), :Tb] = h[: len(chunk)], f[: len(chunk)]
-        feats.flush(), hidden.flush()
-        done.write_text(json.dumps(meta))
+            out = run(state, padded)
+            if spread:  # a collective: every process runs each chunk
+                from jax.experimental import multihost_utils
+
+                out = multihost_utils.process_allgather(out, tiled=True)
+            if writer:
+                h, f = jax.device_get(out)
+                hidden[i: i + len(chunk), :Tb], feats[i: i + len(chunk), :Tb] = h[: len(chunk)], f[: len(chunk)]
+        if writer:
+            feats.flush(), hidden.flush()
+            data.write_json(meta, done)
+    _barrier("offline cache")
+    if not (done.exists() and json.loads(done.read_text()) == meta):
+        raise FileNotFoundError(f"{done}: missing or of other records after process 0 wrote the cache "
+                                "(is work_dir on storage every process sees?)")
     return {"features": np.load(directory / "features.npy", mmap_mode="r"),
             "hidden": np.load(directory / "hidden.npy", mmap_mode="r")}
+
+
+def _barrier(name: str):
+    """Waits until every process gets here (nothing to wait for on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"eagle3_jax {name}")
+
+
+def _put(x, sharding_: NamedSharding, *, copy: bool = False):
+    """``x`` (host data, an array on this process's devices, or a global array) on
+    ``sharding_``; a sharding over other processes' devices too is filled from each
+    process's own copy of ``x`` (every process holds the same value), slice by slice."""
+    if sharding_.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding_, may_alias=False if copy else None)
+    return jax.make_array_from_callback(np.shape(x), sharding_, lambda index: np.asarray(x[index]))
 
 
 class Trainer:
@@ -144,32 +185,31 @@ class Trainer:
         self.seq_len = records["input_ids"].shape[1]
         self.opt = optimizer(cfg)
 
-        tshapes = target_mod.param_shapes(target.config)
-        tsh = sharding.param_shardings(tshapes, sharding.TARGET_AXES, self.mesh)
         self.tgraph, tstate = nnx.split(target)
-        self.tstate = self._place(tstate, tsh)
+        self.tstate = self._place(tstate, target_mod.declare(target.config).shardings(self.mesh))
         self.dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
-        dsh = sharding.param_shardings(drafter_mod.param_shapes(drafter.config), sharding.DRAFTER_AXES, self.mesh)
+        dsh = drafter_mod.declare(drafter.config).shardings(self.mesh)  # the shared embedding's too
         self.params = self._place(params, dsh, copy=True)
-        self.frozen = self._place(frozen, {"embed": NamedSharding(self.mesh, sharding.spec(drafter.embed[...].shape, sharding.DRAFTER_AXES["embed"], self.mesh))})
+        self.frozen = self._place(frozen, dsh)
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         replicated = NamedSharding(self.mesh, P())
         self.opt_state = jax.tree.map(  # moments follow their params; scalars (counts) live on the whole mesh
             lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
             jax.jit(self.opt.init)(self.params))
         self.step = 0
-        if cfg.batch_size % jax.process_count():
-            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {jax.process_count()} hosts")
-        cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else None
-        self.data_iter = data.dataset(records, batch_size=cfg.batch_size // jax.process_count(), seed=cfg.seed,
-                                      process_index=jax.process_index(), process_count=jax.process_count(), cached=cached,
-                                      buckets=tuple(cfg.buckets))
+        axes = sharding.batch_sharding(self.mesh, 1).spec[0] or ()
+        shards = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        if cfg.batch_size % shards:
+            raise ValueError(f"fit.batch_size={cfg.batch_size} is not divisible by the {shards} batch shards "
+                             f"of the mesh {dict(self.mesh.shape)}")
+        self.cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else {}
+        self.data_iter = data.dataset(records, batch_size=cfg.batch_size, seed=cfg.seed, buckets=tuple(cfg.buckets))
         self.ckpt = ocp.CheckpointManager(
             (self.work_dir / "ckpt").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
         opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self._train_step = jax.jit(self._step, donate_argnums=(0, 1),
-                                   out_shardings=(self.param_shardings, opt_shardings, None))
+        self._train_step = jax.jit(self._step, donate_argnums=(0, 1),  # the metrics: whole on every process
+                                   out_shardings=(self.param_shardings, opt_shardings, replicated))
         self.best = {"sim_accept_len": -1.0, "step": None}
 
     def _place(self, state, shardings: dict, *, copy: bool = False):
@@ -179,7 +219,7 @@ class Trainer:
 
         def put(path, x):
             name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
-            return jax.device_put(x, shardings.get(name, replicated), may_alias=False if copy else None)
+            return _put(x, shardings.get(name, replicated), copy=copy)
 
         return jax.tree_util.tree_map_with_path(put, state)
 
@@ -206,12 +246,20 @@ class Trainer:
         return params, opt_state, metrics
 
     def train_step(self, batch):
-        """One optimizer step on a host batch ``{input_ids, loss_mask}``; returns metrics."""
+        """One optimizer step on a global batch ``{input_ids, loss_mask}`` (with ``rows``
+        in offline mode), the same on every process, as ``data_iter`` yields it; each
+        process puts only the rows its devices hold.  Returns the metrics."""
         def put(name, dtype=None):
             x = np.asarray(batch[name], dtype)
-            return jax.make_array_from_process_local_data(sharding.batch_sharding(self.mesh, x.ndim), x)
+            return jax.make_array_from_callback(x.shape, sharding.batch_sharding(self.mesh, x.ndim), lambda i: x[i])
 
-        extra = (put("features"), put("hidden")) if self.cfg.offline else ()
+        def cached(name):  # only this process's rows are read from the memory-mapped cache
+            rows, length, table = np.asarray(batch["rows"]), np.shape(batch["input_ids"])[1], self.cached[name]
+            shape = (len(rows), length, *table.shape[2:])
+            return jax.make_array_from_callback(shape, sharding.batch_sharding(self.mesh, len(shape)),
+                                                lambda i: np.asarray(table[rows[i[0]], :length])[(slice(None), *i[1:])])
+
+        extra = (cached("features"), cached("hidden")) if self.cfg.offline else ()
         self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.frozen, self.tstate,
                                                                 put("input_ids", np.int32), put("loss_mask", bool), *extra)
         self.step += 1
@@ -252,8 +300,16 @@ class Trainer:
                                   "before starting a new run (`eagle3-jax train fit --no-resume` does)")
 
     def drafter(self):
-        """The current drafter as a module (for export or generation)."""
-        return nnx.merge(self.dgraph, self.params, self.frozen)
+        """The current drafter as a module (for export or generation).  On several
+        processes its arrays are gathered to every host: each process must call it."""
+        params, frozen = self.params, self.frozen
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            gather = lambda x: (multihost_utils.process_allgather(x, tiled=True)  # noqa: E731
+                                if isinstance(x, jax.Array) and not x.is_fully_addressable else x)
+            params, frozen = jax.tree.map(gather, params), jax.tree.map(gather, frozen)
+        return nnx.merge(self.dgraph, params, frozen)
 
     # ------------------------------------------------------------------ loop
     def fit(self, steps: int | None = None, *, resume: bool = False, log_path: str | Path | None = None):
@@ -265,7 +321,8 @@ class Trainer:
         steps = self.cfg.steps if steps is None else steps
         if not (resume and self.restore()) and self.step == 0:  # a new run (not this trainer's own continuing)
             self._check_fresh()
-        log = open(log_path or self.work_dir / "metrics.jsonl", "a")
+        writer = jax.process_index() == 0  # writes the log and best/ (the checkpoints: every process, with orbax)
+        log = open(log_path or self.work_dir / "metrics.jsonl", "a") if writer else None
         window, t0, tokens = [], time.perf_counter(), 0
         bar = tqdm(total=steps, initial=self.step, desc="fit")
         try:
@@ -279,21 +336,29 @@ class Trainer:
                            **{f"acc_{i}": float(a) for i, a in enumerate(metrics["acc_s"])},
                            "sim_accept_len": float(metrics["sim_accept_len"]),
                            "tokens_per_second": tokens / (time.perf_counter() - t0)}
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                    if log:
+                        log.write(json.dumps(row) + "\n")
+                        log.flush()
                     bar.set_postfix(loss=f"{row['loss']:.3f}", sim_len=f"{row['sim_accept_len']:.2f}",
                                     acc=" ".join(f"{float(a):.2f}" for a in metrics["acc_s"]), tok_s=f"{row['tokens_per_second']:.0f}")
                 bar.update(1)
                 if self.step % self.cfg.save_every == 0 or self.step == steps:
                     score = float(np.mean(window))
                     window = []
-                    if score > self.best["sim_accept_len"]:
+                    better = score > self.best["sim_accept_len"]
+                    if jax.process_count() > 1:  # every process takes process 0's branch (drafter() is collective)
+                        from jax.experimental import multihost_utils
+
+                        better = bool(multihost_utils.broadcast_one_to_all(np.int32(better)))
+                    if better:
                         self.best = {"sim_accept_len": score, "step": self.step}
-                        if jax.process_index() == 0:
-                            save_drafter(self.drafter(), self.work_dir / "best")
+                        drafter = self.drafter()
+                        if writer:
+                            save_drafter(drafter, self.work_dir / "best")
                     self.save()
         finally:
             bar.close()
-            log.close()
+            if log:
+                log.close()
             self.ckpt.wait_until_finished()
         return self.best
