@@ -91,8 +91,9 @@ def _load_pair(args):
         if args.drafter:
             raise ValueError("--drafter needs --target (without --target the built-in pair is used)")
         return (*builtin.load(args.dtype or "float32", attention_impl=args.attention), True)
-    target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention)
-    drafter = eagle3_jax.load_drafter(args.drafter, target=target) if args.drafter else None
+    mesh = _mesh(args)  # read straight onto the mesh (the built-in pair is placed by generate)
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention, mesh=mesh)
+    drafter = eagle3_jax.load_drafter(args.drafter, target=target, mesh=mesh) if args.drafter else None
     return target, drafter, _tokenizer(Path(args.target)), False
 
 
@@ -127,7 +128,7 @@ def _cmd_generate(args) -> int:
         prompts = [_encode(tok, text, args.raw)]
     tree = args.tree or parse_tree(builtin.DEFAULT_TREE if is_builtin else "60,7,10")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, tree=tree, **_thinking_kw(args, tok))
+              seed=args.seed, tree=tree, mesh=_mesh(args), **_thinking_kw(args, tok))
 
     def timed(drafter_):  # the faster of two runs (same seed, same output): compilation and warm-up excluded
         return min((eagle3_jax.generate(target, drafter_, prompts, **kw) for _ in range(2)),
@@ -217,7 +218,8 @@ def _cmd_bench(args) -> int:
     parts: dict = {}
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
-                         repeats=args.repeats, grade=grade, parts=parts, generate_kw=_thinking_kw(args, tok))
+                         repeats=args.repeats, grade=grade, parts=parts,
+                         generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args)})
                for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
@@ -425,6 +427,24 @@ def _tree(text: str):
                                          f"(e.g. chain4){detail}") from None
 
 
+def _mesh_arg(text: str) -> dict:
+    from eagle3_jax.sharding import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _mesh(args):
+    """The ``--mesh`` of a command, built on this process's devices (or ``None``)."""
+    if getattr(args, "mesh", None) is None:
+        return None
+    from eagle3_jax.sharding import make_mesh
+
+    return make_mesh(**args.mesh)
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",")]
@@ -455,6 +475,10 @@ def _common(p):
     p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
+                   help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV heads, "
+                        "the batch over data (on CPU, simulate devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 from typing import Sequence
 
@@ -18,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, kv_cache
+from eagle3_jax import budget, kv_cache, sharding
 from eagle3_jax import speculation as policy
+from eagle3_jax.models.drafter import declare as declare_drafter
 from eagle3_jax.models.target import check_token_ids
+from eagle3_jax.models.target import declare as declare_target
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import Tree, TreeConfig, expand, forced_chain
 from eagle3_jax.verify import RowSampling, SamplingConfig, sample, verify
@@ -103,6 +106,7 @@ class _Loop:
     sampling: SamplingConfig | None
     spec: Speculation | None
     thinking: budget.ThinkingConfig | None
+    cache_shardings: tuple = (None, None)  # the target's and the drafter's cache layout on a mesh
 
     @property
     def path_max(self) -> int:
@@ -185,7 +189,8 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
         think = _Think(budget_B, phase_B, zeros, zeros, jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), bool),
                        jnp.zeros((B, W), bool))
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    logits, feats, tcache = target(prompt_BxT, pos, cache=target.init_cache(B, cache_len))
+    tcache = kv_cache.constrain(target.init_cache(B, cache_len), loop.cache_shardings[0])
+    logits, feats, tcache = target(prompt_BxT, pos, cache=tcache)
     tcache = kv_cache.advance(tcache, lengths_B)
     key_B, sub = _split(key_B)
     first = sample(sub, logits[bidx, lengths_B - 1], loop.sampling if loop.sampling is not None else rows)
@@ -198,7 +203,8 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
     if drafter is not None:
         # drafter position j pairs the feature at j with token j+1 (the first token is the root)
         ids = jnp.where(jnp.arange(T)[None] == lengths_B[:, None] - 1, first[:, None], jnp.roll(prompt_BxT, -1, 1))
-        dout, dcache = drafter(feats, ids, pos, cache=drafter.init_cache(B, cache_len))
+        dcache = kv_cache.constrain(drafter.init_cache(B, cache_len), loop.cache_shardings[1])
+        dout, dcache = drafter(feats, ids, pos, cache=dcache)
         dcache = kv_cache.advance(dcache, lengths_B)
         last_hidden = dout[bidx, lengths_B - 1]
         round_tier = jnp.zeros((B, W), jnp.int32)
@@ -250,10 +256,11 @@ def _vanilla_round(target, st: _State, loop: _Loop) -> _State:
     return _target_step(target, st, loop)[0]
 
 
-def _burst(target, drafter, st: _State, loop: _Loop, cap) -> _State:
-    """Rounds of the ``None`` tier (no drafting): up to ``loop.burst`` plain target steps, then
-    one drafter catch-up over the tokens they committed, so that falling back costs about a
-    vanilla step per token.  Each step is a round (of tier ``None``) for the records and the policy."""
+def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
+    """Rounds of the ``None`` tier (no drafting) while the policy keeps it: up to ``loop.burst``
+    plain target steps, then one drafter catch-up over the tokens they committed, so that
+    falling back costs about a vanilla step per token.  Each step is a round (of tier ``None``)
+    for the records and the policy."""
     B, n = st.root.shape[0], loop.burst
     none = loop.spec.tiers.index(None)
     bidx = jnp.arange(B)
@@ -273,7 +280,7 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap) -> _State:
     carry = (jnp.int32(0), st, jnp.zeros((B, n, F), target.dtype), jnp.zeros((B, n), jnp.int32),
              jnp.zeros((B,), jnp.int32))
     _, st2, feats_BxNxF, tokens_BxN, count_B = jax.lax.while_loop(
-        lambda c: (c[0] < n) & (~c[1].done).any() & (c[1].step < cap), step, carry)
+        lambda c: (c[0] < n) & _going(c[1], cap) & (_tier(c[1], force_tier) == none), step, carry)
     with jax.named_scope("catch_up"):  # drafter position j pairs the feature at j with the token after it
         dpos = st.dcache.lengths[:, None] + jnp.arange(n)[None]
         dout, dcache = drafter(feats_BxNxF, tokens_BxN, dpos, cache=st.dcache)
@@ -325,7 +332,7 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, force_tier) -> _State:
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
-    tier = jnp.where(force_tier >= 0, force_tier, st.ctl.tier)  # forced: measuring one tier's rounds
+    tier = _tier(st, force_tier)
     drafting = [i for i, t in enumerate(spec.tiers) if t is not None]  # None's rounds are bursts (_burst)
     branches = [functools.partial(_propose, target, drafter, tree=spec.tiers[i], loop=loop) for i in drafting]
     operand = (st.root, st.last_hidden, st.tcache, st.dcache,
@@ -377,19 +384,26 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State
         body = functools.partial(_vanilla_round, target, loop=loop)
     else:
         spec_round = functools.partial(_spec_round, target, drafter, loop=loop, force_tier=force_tier)
-        burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap)
+        burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier)
         if None not in loop.spec.tiers:
             body = spec_round
-        elif all(t is None for t in loop.spec.tiers):
-            body = burst
-        else:
-            none = loop.spec.tiers.index(None)
+        else:  # drafting rounds while the policy drafts, then a burst while it does not: two loops, no
+            none = loop.spec.tiers.index(None)  # conditional around the caches (XLA would copy them)
 
             def body(s):
-                tier = jnp.where(force_tier >= 0, force_tier, s.ctl.tier)
-                return jax.lax.cond(tier == none, burst, spec_round, s)
+                s = jax.lax.while_loop(lambda s: _going(s, cap) & (_tier(s, force_tier) != none), spec_round, s)
+                return burst(s)
 
-    return jax.lax.while_loop(lambda s: (~s.done).any() & (s.step < cap), body, dataclasses.replace(st, step=0))
+    return jax.lax.while_loop(lambda s: _going(s, cap), body, dataclasses.replace(st, step=0))
+
+
+def _going(st: _State, cap):
+    return (~st.done).any() & (st.step < cap)
+
+
+def _tier(st: _State, force_tier):
+    """The tier of the next round: the policy's, or ``force_tier`` when measuring one (>= 0)."""
+    return jnp.where(force_tier >= 0, force_tier, st.ctl.tier)
 
 
 def _stop_rows(stop_ids: tuple[int, ...], batch: int):
@@ -398,11 +412,11 @@ def _stop_rows(stop_ids: tuple[int, ...], batch: int):
 
 def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
          round_cap, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig,
-         spec: Speculation | None, thinking: budget.ThinkingConfig | None):
+         spec: Speculation | None, thinking: budget.ThinkingConfig | None, cache_shardings: tuple = (None, None)):
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     B = prompt_BxT.shape[0]
-    loop = _Loop(max_new, sampling, spec if drafter is not None else None, thinking)
+    loop = _Loop(max_new, sampling, spec if drafter is not None else None, thinking, cache_shardings)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))  # row b's key: fold_in(seed key, b)
     with jax.named_scope("prefill"):
         st = _prefill(target, drafter, prompt_BxT, lengths_B, keys, budget_B, phase_B, _stop_rows(stop_ids, B),
@@ -421,7 +435,7 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
 
 
 _run_jit = jax.jit(_run, static_argnums=(0, 2),
-                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking"))
+                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking", "cache_shardings"))
 
 
 # Compiled loops, least recently used first.  Each holds its executable (and its
@@ -432,9 +446,10 @@ _ROUND_MS: dict = {}  # id(compiled) → measured milliseconds per round of each
 
 
 def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
-    """Compiles the loop once per (models, batch, prompt bucket, limits, tree, sampling);
-    keeps the ``COMPILE_CACHE_SIZE`` most recently used programs."""
-    cache_key = (tgraph, dgraph, prompt_shape, kw)
+    """Compiles the loop once per (models, weight shardings, batch, prompt bucket, limits, tree,
+    sampling); keeps the ``COMPILE_CACHE_SIZE`` most recently used programs."""
+    placement = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves((tstate, dstate)))
+    cache_key = (tgraph, dgraph, prompt_shape, kw, placement)
     if cache_key in _COMPILED:
         _COMPILED.move_to_end(cache_key)
     else:
@@ -541,6 +556,9 @@ class _Request:
     budget_B: np.ndarray  # thinking-content tokens allowed per sequence, -1 = unlimited
     phase_B: np.ndarray  # the thinking phase after each prompt
     round_ms: np.ndarray | None  # per speculation tier (None: measured when the policy adapts)
+    rows: int  # the caller's prompts (the first rows; the rest pad the batch to the mesh)
+    mesh: jax.sharding.Mesh | None = None
+    rules: tuple | None = None
 
     @property
     def spec(self) -> Speculation | None:
@@ -629,7 +647,7 @@ def _speculation_arg(target, drafter, speculation) -> Speculation:
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
              tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
-             end_thinking_ids=None, speculation=None, round_ms=None) -> _Request:
+             end_thinking_ids=None, speculation=None, round_ms=None, mesh=None, rules=None) -> _Request:
     vocab = target.config.vocab_size
     max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
     sampling = _sampling_args(temperature, top_p, top_k, vocab)
@@ -643,6 +661,13 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
         round_ms = np.asarray(round_ms, np.float64)
         if round_ms.shape != (len(speculation.tiers),) or not np.isfinite(round_ms).all() or (round_ms <= 0).any():
             raise ValueError(f"round_ms: need one positive time per tier ({len(speculation.tiers)}), got {round_ms.tolist()}")
+    rows = len(seqs)
+    if mesh is not None:  # pad the batch to a multiple of the devices it is split over
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh), got "
+                            f"{type(mesh).__name__}")
+        shards = math.prod(mesh.shape[a] for a in sharding.resolve_rules(rules)["batch"].mesh_axes if a in mesh.shape)
+        seqs = seqs + [seqs[0]] * (-len(seqs) % shards)
     longest = max(s.size for s in seqs)
     T = _bucket(longest)
     scratch = 1 if drafter is None else speculation.scratch
@@ -657,15 +682,32 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
     lengths = np.array([s.size for s in seqs], np.int32)
     stop_ids = tuple(sorted(set(target.config.eos_token_ids) | set(stops)))
     thinking = _thinking_config(tokenizer, think_token_ids, end_thinking_ids, thinking_mode, thinking_grace, vocab)
-    budgets = _budgets(thinking_budget, len(seqs))
+    budgets = _budgets(thinking_budget, rows)
+    budgets = np.concatenate([budgets, np.full((len(seqs) - rows,), budgets[0], np.int32)])
     if thinking is None and (budgets >= 0).any():
         raise ValueError("thinking_budget needs the think-open/close tokens: pass think_token_ids=(open, close) or a "
                          "tokenizer with <think> and </think>")
     phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
               sampling=sampling, spec=speculation if drafter is not None else None,
-              thinking=thinking)
-    return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms)
+              thinking=thinking, cache_shardings=_cache_shardings(target, drafter, len(seqs), max_len, mesh, rules))
+    return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms, rows, mesh,
+                    None if rules is None else tuple(rules.items()))
+
+
+def _cache_shardings(target, drafter, batch: int, max_len: int, mesh, rules) -> tuple:
+    """The target's and the drafter's cache layouts on ``mesh`` (by ``kv_cache.CACHE_AXES``)."""
+    if mesh is None:
+        return (None, None)
+    out = []
+    for name, model, layers_ in (("target", target, target.config.num_layers), ("drafter", drafter, 1)):
+        if model is None:
+            out.append(None)
+            continue
+        shape = (layers_, batch, max_len, model.config.num_kv_heads, model.config.head_dim)
+        spec = sharding.spec(shape, kv_cache.CACHE_AXES, mesh, rules, name=f"{name} KV cache")
+        out.append(jax.sharding.NamedSharding(mesh, spec))
+    return tuple(out)
 
 
 _THINKING_DOC = """
@@ -697,9 +739,15 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
     spec = req.spec
     tgraph, tstate = nnx.split(target)
     dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
+    if req.mesh is not None:
+        rules = None if req.rules is None else dict(req.rules)
+        tstate = sharding.place(tstate, declare_target(target.config), req.mesh, rules)
+        if drafter is not None:
+            dstate = sharding.place(dstate, declare_drafter(drafter.config), req.mesh, rules)
     compiled = _compiled(tgraph, dgraph, req.prompt_BxT.shape, req.kw, tstate, dstate)
     n_tiers = 1 if spec is None else len(spec.tiers)
-    learned = policy.recall((tgraph, dgraph, spec)) or policy.fresh(spec or _NO_SPEC)
+    learned = policy.recall((tgraph, dgraph, spec, req.mesh)) or policy.fresh(spec or _NO_SPEC)
+    learned = jax.tree.map(np.asarray, learned)  # wherever the last call left it
     args = (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed),
             jnp.asarray(req.budget_B), jnp.asarray(req.phase_B), jnp.ones((n_tiers,), jnp.float32), jnp.int32(-1),
             jnp.int32(dict(req.kw)["max_new"]), learned)
@@ -745,7 +793,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
              stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
              thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None,
              end_thinking_ids=None, speculation: Speculation | TreeConfig | None = None,
-             round_ms=None) -> GenerateResult:
+             round_ms=None, mesh: jax.sharding.Mesh | None = None, rules=None) -> GenerateResult:
     """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
 
     Greedy output is token-identical to the target's own greedy decoding under the same
@@ -765,6 +813,11 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       round_ms: milliseconds per round of each tier, for the adaptive policy (default:
         measured once per models, tiers, batch and prompt bucket).
       seed: the sampling seed, in [0, 2**32).
+      mesh: a ``jax.sharding.Mesh`` (``eagle3_jax.sharding.make_mesh``) to decode on: weights by
+        their declared logical axes (heads, MLP and vocabulary over ``tensor``), KV caches over
+        KV heads, the batch over ``data`` (padded to a multiple of it); ``rules`` override
+        ``eagle3_jax.sharding.RULES``.  Models loaded with ``mesh=`` are used in place, others
+        are placed for the call.  The tokens are those of one device.
       stop_token_ids: token ids that end a sequence, besides the target's EOS ids.{thinking}
     Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
     ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
@@ -777,13 +830,14 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                    top_p=top_p, top_k=top_k, tree=tree, seed=seed, stop_token_ids=stop_token_ids,
                                    tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
                                    thinking_grace=thinking_grace, think_token_ids=think_token_ids,
-                                   end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms)
+                                   end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms,
+                                   mesh=mesh, rules=rules)
     start = time.perf_counter()
     res = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
     if "learned" in res and req.spec.policy == "adaptive":
-        policy.remember((nnx.graphdef(target), nnx.graphdef(drafter), req.spec), res["learned"])
-    res = {k: np.asarray(v) for k, v in res.items() if k != "learned"}
+        policy.remember((nnx.graphdef(target), nnx.graphdef(drafter), req.spec, req.mesh), res["learned"])
+    res = {k: np.asarray(v)[: req.rows] for k, v in res.items() if k != "learned"}  # every entry is per row
     n_out = res["n_out"]
     tokens = [res["out"][b, : n_out[b]].tolist() for b in range(n_out.shape[0])]
     stats = _stats(res, seconds, req.spec)
@@ -793,7 +847,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     if req.thinking is not None:
         thinking = res["thinking"].tolist()
         status = [budget.status(int(ph), bool(fo), th > 0 or p0 == budget.THINKING)
-                  for ph, fo, th, p0 in zip(res["phase"], res["forced"], thinking, req.phase_B)]
+                  for ph, fo, th, p0 in zip(res["phase"], res["forced"], thinking, req.phase_B[: req.rows])]
     else:
         thinking, status = [0] * len(tokens), ["none"] * len(tokens)
     answer = [len(t) - th for t, th in zip(tokens, thinking)]

@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 
 
+# Logical axes of a cache's keys and values [L, B, S, K, D] (see ``eagle3_jax.sharding.RULES``):
+# the batch over the data axes, KV heads over the tensor axis (replicated when fewer).
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -33,6 +38,14 @@ class KVCache:
 def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def constrain(cache: KVCache, sharding) -> KVCache:
+    """``cache`` with its keys and values laid out by ``sharding`` (``None``: as they are)."""
+    if sharding is None:
+        return cache
+    return KVCache(jax.lax.with_sharding_constraint(cache.k, sharding),
+                   jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths)
 
 
 def write(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, at_B) -> KVCache:

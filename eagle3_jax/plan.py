@@ -83,14 +83,12 @@ def drafter_config_for(cfg: dict, tcfg: TargetConfig) -> DrafterConfig:
                          capture_layers=tcfg.capture_layers, max_position_embeddings=tcfg.max_position_embeddings)
 
 
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
-
-
 def cache_structs(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int, dtype, mesh,
                   rules=None, name: str = "KV cache") -> list[jax.ShapeDtypeStruct]:
     """Keys and values ``[L, B, S, K, D]`` sharded by ``CACHE_AXES`` (batch over data,
     KV heads over tensor, replicated when there are fewer KV heads than tensor devices)."""
     from eagle3_jax import sharding
+    from eagle3_jax.kv_cache import CACHE_AXES
 
     shape = (num_layers, batch, length, num_kv_heads, head_dim)
     spec = sharding.spec(shape, CACHE_AXES, mesh, rules, name=name)

@@ -157,6 +157,20 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def place(state, decl, mesh: Mesh, rules: Mapping | None = None):
+    """A model's ``nnx`` state with every parameter of ``decl`` (its declaration) placed on
+    ``mesh`` by the rules, every other array (buffers such as RoPE frequencies) replicated;
+    arrays already placed so are kept as they are."""
+    by_name = decl.shardings(mesh, rules)
+    replicated = NamedSharding(mesh, P())
+
+    def put(path, x):
+        want = by_name.get(path[0].key, replicated)
+        return x if getattr(x, "sharding", None) == want else jax.device_put(x, want)
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch split over (data, fsdp); other dimensions replicated."""
     return NamedSharding(mesh, P(RULES["batch"].mesh_axes, *([None] * (ndim - 1))))

@@ -11,6 +11,7 @@ import pytest
 
 import eagle3_jax
 from eagle3_jax import cost, decode, layers
+from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
 from helpers import FIXTURES
 
@@ -86,19 +87,23 @@ def test_cost_follows_the_live_prefix_not_the_capacity():
     assert cost.large_ops(hlo, layer_bytes) == []
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig.chain(3), TreeConfig(8, 2, 2)])
+@pytest.mark.parametrize("tree", [None, TreeConfig.chain(3), TreeConfig(8, 2, 2),
+                                  Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2)))],
+                         ids=["vanilla", "chain3", "tree", "adaptive"])
 def test_decode_loop_copies_no_cache(tree, monkeypatch):
     """In the optimized HLO of the whole decode loop, no cache-sized buffer is copied inside
-    the loop (KV writes, commit and the drafter's catch-up update the caches in place)."""
+    the loop (KV writes, commit and the drafter's catch-up update the caches in place), also
+    when an adaptive policy switches between tiers and bursts of plain steps."""
     monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
     monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
-    compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]], max_new_tokens=40,
-                                             tree=tree or TreeConfig())
+    spec = tree if isinstance(tree, Speculation) else Speculation.fixed(tree or TreeConfig())
+    compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]], max_new_tokens=40, speculation=spec,
+                                             round_ms=[1.0] * len(spec.tiers))
     assert int(compiled(*args)["n_out"][0]) > 0
     cfg = target.config
-    max_len = 32 + 40 + (tree.scratch if tree else 1)
+    max_len = 32 + 40 + (spec.scratch if tree else 1)
     layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4
     ops = cost.cache_ops(compiled.as_text(), layer_bytes)
     assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []

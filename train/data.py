@@ -131,11 +131,12 @@ def prepare(conversations, tokenizer, seq_len: int, *, last_turn_only: bool = Fa
 
 
 def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens: int, temperature: float = 0.0,
-               batch_size: int = 8, seed: int = 0, last_turn_only: bool = False) -> tuple[list, dict]:
+               batch_size: int = 8, seed: int = 0, last_turn_only: bool = False, mesh=None) -> tuple[list, dict]:
     """Replaces every assistant turn by the target's own answer (thinking kept), turn by
     turn, with batched jitted generation.  Returns the new conversations (text) and
     records whose last answer holds the target's *exact* token ids (a decode/encode round
-    trip would hand the drafter token sequences the target never produces)."""
+    trip would hand the drafter token sequences the target never produces).  ``mesh``: decode
+    on it (``eagle3_jax.generate``'s ``mesh``)."""
     from eagle3_jax.decode import generate
 
     convs = [[m for m in c if m["role"] != "assistant"] for c in conversations]
@@ -158,7 +159,7 @@ def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens
                 owners.append(i)
         for s in range(0, len(prompts), batch_size):
             res = generate(target, None, prompts[s: s + batch_size], max_new_tokens=max_new_tokens,
-                           temperature=temperature, seed=seed + s, stop_token_ids=sorted(eos))
+                           temperature=temperature, seed=seed + s, stop_token_ids=sorted(eos), mesh=mesh)
             for i, prompt, toks in zip(owners[s: s + batch_size], prompts[s: s + batch_size], res.tokens):
                 text = toks[:-1] if toks and toks[-1] in eos else toks
                 out[i].append({"role": "assistant", "content": tokenizer.decode(text, skip_special_tokens=False)})

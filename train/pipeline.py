@@ -47,7 +47,8 @@ DEFAULTS = {
     "draft_vocab_size": 32000,
     "dtype": "float32",        # target weights
     "distributed": False,      # jax.distributed.initialize() (multi-host pods)
-    "regenerate": {"enabled": True, "max_new_tokens": 512, "temperature": 0.0, "batch_size": 8},
+    "regenerate": {"enabled": True, "max_new_tokens": 512, "temperature": 0.0, "batch_size": 8,
+                   "tensor": 1},  # tensor-parallel size over each process's devices (the rest split the batch)
     "drafter": {"init": None, "seed": 0},
     "fit": {},                 # eagle3_jax.train.trainer.FitConfig fields (its defaults)
     "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
@@ -57,6 +58,7 @@ DEFAULTS = {
 # allowed ranges of the keys outside ``fit`` (FitConfig checks its own: eagle3_jax.train.trainer.FIT_LIMITS)
 LIMITS = {"seq_len": (">=", 2), "draft_vocab_size": (">=", 1), "dtype": ("in", ("float32", "bfloat16", "float16")),
           "regenerate.max_new_tokens": (">=", 1), "regenerate.temperature": (">=", 0), "regenerate.batch_size": (">=", 1),
+          "regenerate.tensor": (">=", 1),
           "drafter.seed": (">=", 0), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
 
 # what each step reads from / writes to work_dir
@@ -375,10 +377,23 @@ def _tokenizer(cfg):
     return tok
 
 
-def _target(cfg):
+def _target(cfg, mesh=None):
     import eagle3_jax
 
-    return eagle3_jax.load_target(cfg["target"], dtype=cfg["dtype"])
+    return eagle3_jax.load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
+
+
+def _local_mesh(tensor: int):
+    """A mesh over this process's devices (``tensor``-way tensor parallel, the rest over the
+    batch), or ``None`` on one device."""
+    import jax
+
+    from eagle3_jax.sharding import make_mesh
+
+    local = jax.local_devices()
+    if len(local) % tensor:
+        raise ValueError(f"regenerate.tensor={tensor} must divide this process's {len(local)} devices")
+    return None if len(local) == 1 else make_mesh(data=len(local) // tensor, tensor=tensor, devices=local)
 
 
 def _prepare(cfg, work: Path, **_):
@@ -394,8 +409,9 @@ def _prepare(cfg, work: Path, **_):
 
 
 def _regenerate(cfg, work: Path, **_):
-    """Each process regenerates its block of the conversations with its own copy of the
-    target and writes its shard; process 0 then joins the shards in process order."""
+    """Each process regenerates its block of the conversations with the target on its own
+    devices (``regenerate.tensor``-way tensor parallel, the batch over the rest) and writes its
+    shard; process 0 then joins the shards in process order."""
     import jax
 
     from eagle3_jax.train import data
@@ -409,9 +425,11 @@ def _regenerate(cfg, work: Path, **_):
     index, count = jax.process_index(), jax.process_count()
     mine = data.shard_range(len(convs), index, count)
     r = cfg["regenerate"]
-    new, records = data.regenerate([convs[i] for i in mine], _tokenizer(cfg), _target(cfg), seq_len=cfg["seq_len"],
+    mesh = _local_mesh(r["tensor"])
+    new, records = data.regenerate([convs[i] for i in mine], _tokenizer(cfg), _target(cfg, mesh), seq_len=cfg["seq_len"],
                                    max_new_tokens=r["max_new_tokens"], temperature=r["temperature"],
-                                   batch_size=r["batch_size"], seed=mine.start, last_turn_only=cfg["last_turn_only"])
+                                   batch_size=r["batch_size"], seed=mine.start, last_turn_only=cfg["last_turn_only"],
+                                   mesh=mesh)
     data.save_records(records, data.shard_path(work / "regenerated.npz", index, count))
     data.write_json(new, data.shard_path(work / "regenerated.json", index, count))
     print(f"regenerate: process {index} of {count}: conversations [{mine.start}, {mine.stop}): "
