@@ -275,11 +275,19 @@ def _cmd_experiment(args) -> int:
         kw["chosen"] = tuple(args.chosen)
     if args.tree:
         kw["tiers"] = tuple(args.tree)
+    if args.replay_rates:  # step 3: the arrival-rate replay, on the built-in eval prompts' texts
+        kw.update(replay_rates=tuple(args.replay_rates), replay_requests=args.replay_requests,
+                  replay_prompts=[t["prompt"] for t in builtin.eval_tasks()] if is_builtin else None,
+                  server_kw=dict(max_batch=8, max_len=min(target.config.max_position_embeddings, 1024)))
+        if not is_builtin:
+            raise ValueError("--replay-rates needs the built-in pair (its eval prompts); pass --replay-rates with no "
+                             "value to skip step 3, or run `eagle3-jax replay` on your pair")
     report = run_experiment(target, drafter, tok, prompts, grade=grade, batch_size=args.batch_size,
                             max_new_tokens=args.max_new_tokens, sampled_temperature=args.sampled_temperature or None,
                             seed=args.seed, out_dir=out, **kw)
     print("\n".join(report["summary"]))
-    print(f"wrote {out}/report.md, report.json, quality_tokens_latency.png and budget_heatmap.png")
+    print(f"wrote {out}/report.md, report.json, quality_tokens_latency.png and budget_heatmap.png"
+          + (" and goodput_vs_rate.png" if "step3" in report else ""))
     return 0
 
 
@@ -545,6 +553,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     exp.add_argument("--sampled-temperature", type=temperature, default=0.7,
                      help="also compare sampled accuracy at this temperature (0: greedy only)")
+    exp.add_argument("--replay-rates", type=_number(float, "replay-rates", lo=0.0, lo_open=True), nargs="*",
+                     default=[4.0, 16.0, 64.0], metavar="R",
+                     help="step 3: arrival rates (requests/s) replayed against a loopback server (default 4 16 64; "
+                          "none: skip step 3)")
+    exp.add_argument("--replay-requests", type=_number(int, "replay-requests", lo=1), default=24,
+                     help="requests per mode and rate in step 3")
     exp.add_argument("--out", default="experiment", help="report directory (report.md, report.json, figures)")
     exp.set_defaults(func=_cmd_experiment)
 

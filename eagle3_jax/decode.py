@@ -323,23 +323,19 @@ def _propose(target, drafter, operand, tree: TreeConfig | None, loop: _Loop):
                 tuple(padded(x[:, b, node], 2) for x in new_kv), n_forced)
 
 
-def _spec_round(target, drafter, st: _State, loop: _Loop, force_tier) -> _State:
-    """One round: the tier's proposal (``lax.switch`` over the tiers), then one commit, one
-    drafter catch-up and the output bookkeeping for every tier."""
+def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
+    """One round of drafting tier ``tier`` (an index into the tiers): its proposal, then the
+    commit, the drafter's catch-up and the output bookkeeping that every tier shares."""
     spec, thinking = loop.spec, loop.thinking
     B, P_max = st.root.shape[0], loop.path_max
     bidx = jnp.arange(B)
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
-    tier = _tier(st, force_tier)
-    drafting = [i for i, t in enumerate(spec.tiers) if t is not None]  # None's rounds are bursts (_burst)
-    branches = [functools.partial(_propose, target, drafter, tree=spec.tiers[i], loop=loop) for i in drafting]
     operand = (st.root, st.last_hidden, st.tcache, st.dcache,
                think.force if thinking is not None else jnp.full((B,), -1, jnp.int32), active, sub, st.sampling)
-    branch = jnp.asarray([drafting.index(i) if i in drafting else 0 for i in range(len(spec.tiers))])[tier]
-    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = (
-        branches[0](operand) if len(branches) == 1 else jax.lax.switch(branch, branches, operand))
+    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = _propose(target, drafter, operand,
+                                                                             spec.tiers[tier], loop)
     j = jnp.arange(P_max)[None]
     if thinking is not None:
         end_ids, m = _end_ids(thinking), len(thinking.end_ids)
@@ -380,21 +376,30 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, force_tier) -> _State:
 def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State:
     """Rounds until every row is done or ``cap`` rounds ran: the loop of ``generate`` and of
     the slot engine's dispatches."""
+    tiers = () if loop.spec is None else loop.spec.tiers
+    burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier)
+
+    def tier_rounds(i: int):
+        return functools.partial(_spec_round, target, drafter, loop=loop, tier=i)
+
     if loop.spec is None:
         body = functools.partial(_vanilla_round, target, loop=loop)
+    elif len(tiers) == 1:
+        body = burst if tiers[0] is None else tier_rounds(0)
     else:
-        spec_round = functools.partial(_spec_round, target, drafter, loop=loop, force_tier=force_tier)
-        burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier)
-        if None not in loop.spec.tiers:
-            body = spec_round
-        else:  # drafting rounds while the policy drafts, then a burst while it does not: two loops, no
-            none = loop.spec.tiers.index(None)  # conditional around the caches (XLA would copy them)
+        # One loop per tier, in turn: each runs its tier's rounds while the policy keeps it (the
+        # None tier as bursts).  Straight-line rounds, no conditional around the caches: XLA
+        # would copy buffers into and out of the branches of a switch.
+        def body(s):
+            for i, t in enumerate(tiers):
+                if t is None:
+                    s = burst(s)
+                else:
+                    s = jax.lax.while_loop(lambda s, i=i: _going(s, cap) & (_tier(s, force_tier) == i),
+                                           tier_rounds(i), s)
+            return s
 
-            def body(s):
-                s = jax.lax.while_loop(lambda s: _going(s, cap) & (_tier(s, force_tier) != none), spec_round, s)
-                return burst(s)
-
-    return jax.lax.while_loop(lambda s: _going(s, cap), body, dataclasses.replace(st, step=0))
+    return jax.lax.while_loop(lambda s: _going(s, cap), body, dataclasses.replace(st, step=jnp.int32(0)))
 
 
 def _going(st: _State, cap):
@@ -964,11 +969,13 @@ def _slots_empty(tgraph, tstate, dgraph, dstate, round_ms_T, learned, *, slots: 
     return st
 
 
-def _slot_insert(tgraph, tstate, dgraph, dstate, st: _State, slot, prompt_1xT, length_1, key_1, budget_1, phase_1,
+def _slot_insert(tgraph, tstate, dgraph, dstate, st: _State, slot, prompt_1xT, length_1, seed, budget_1, phase_1,
                  stops_1xS, limit_1, temperature_1, top_p_1, top_k_1, *, loop: _Loop) -> _State:
-    """Prefills one request into row ``slot`` (its first token emitted)."""
+    """Prefills one request into row ``slot`` (its first token emitted); its key is row 0's of
+    ``generate`` with the same seed."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
+    key_1 = jax.random.fold_in(jax.random.key(seed), 0)[None]
     row = _prefill(target, drafter, prompt_1xT, length_1, key_1, budget_1, phase_1, stops_1xS, limit_1,
                    RowSampling(temperature_1, top_p_1, top_k_1), cache_len=prompt_1xT.shape[1], loop=loop)
     return _put_row(st, row, slot)
@@ -1122,13 +1129,12 @@ class Slots:
         T = _bucket(prompt.size)
         prompt_1xT = np.zeros((1, T), np.int32)
         prompt_1xT[0, : prompt.size] = prompt
-        row = lambda v, dtype=jnp.int32: jnp.asarray([v], dtype)  # noqa: E731
+        row = lambda v, dtype=np.int32: np.asarray([v], dtype)  # noqa: E731  (numpy: no eager device work)
         (tg, ts), (dg, ds) = self._graphs
         self._state = _slot_insert_jit(
-            tg, ts, dg, ds, self._state, jnp.int32(slot), jnp.asarray(prompt_1xT), row(prompt.size),
-            jax.random.fold_in(jax.random.key(seed), 0)[None], row(budget_), row(phase),
-            jnp.asarray([stops + [-1] * (self._max_stops - len(stops))], jnp.int32), row(max_new_tokens),
-            row(sampling.temperature, jnp.float32), row(sampling.top_p, jnp.float32), row(sampling.top_k),
+            tg, ts, dg, ds, self._state, np.int32(slot), prompt_1xT, row(prompt.size), np.uint32(seed), row(budget_),
+            row(phase), np.asarray([stops + [-1] * (self._max_stops - len(stops))], np.int32), row(max_new_tokens),
+            row(sampling.temperature, np.float32), row(sampling.top_p, np.float32), row(sampling.top_k),
             loop=self._loop)
         self._busy[slot] = True
         self._stops[slot] = set(stops)
@@ -1140,13 +1146,13 @@ class Slots:
 
     def _dispatch(self, rounds: int, force_tier: int):
         (tg, ts), (dg, ds) = self._graphs
-        self._state = _slot_rounds_jit(tg, ts, dg, ds, self._state, jnp.int32(rounds), jnp.int32(force_tier),
+        self._state = _slot_rounds_jit(tg, ts, dg, ds, self._state, np.int32(rounds), np.int32(force_tier),
                                        loop=self._loop)
 
     def release(self, slot: int):
         """Ends the request in ``slot`` now (e.g. its client went away); the slot is free."""
         slot = _int_arg("slot", slot, 0, self.num_slots)
-        self._state = _slot_release_jit(self._state, jnp.int32(slot))
+        self._state = _slot_release_jit(self._state, np.int32(slot))
         self._busy[slot] = False
 
     def poll(self) -> list[SlotView]:

@@ -7,6 +7,9 @@ speculative budget K does to execution, reported apart.
   nodes per round, τ per phase, accepted / committed tokens, time per output token, tokens/s,
   peak memory; greedy token identity with vanilla and, sampled, accuracy agreement
   (two-proportion z).
+* Step 3 — under load: the arrival-rate replay (``eagle3_jax.serve.replay``) against a
+  loopback server per mode: goodput, TTFT/TPOT percentiles and the rate where speculation
+  stops paying (``goodput_vs_rate.png``).
 
 ``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
 ``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
@@ -110,13 +113,16 @@ def _z(p1: float, p2: float, n: int) -> float:
 def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(0, 8, 16, 32, 64, 128, None),
                    chosen=(16, 64, None), tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
                    batch_size: int = 1, max_new_tokens: int = 256, sampled_temperature: float | None = 0.7,
-                   seed: int = 0, out_dir="experiment", progress: bool = True) -> dict:
-    """Runs both steps and writes the report (see the module doc); returns the report dict.
+                   seed: int = 0, out_dir="experiment", progress: bool = True, replay_prompts=None,
+                   replay_rates=(), replay_requests: int = 24, server_kw: dict | None = None) -> dict:
+    """Runs the steps and writes the report (see the module doc); returns the report dict.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i`` (accuracy; ``None``: not reported);
     ``chosen``: the budgets of step 2; ``tiers``: the static tiers (the adaptive policy runs
     over them plus no drafting); ``sampled_temperature``: also compare sampled accuracy of
-    each mode with vanilla at that temperature (``None``: greedy only).
+    each mode with vanilla at that temperature (``None``: greedy only).  Step 3 runs when
+    ``replay_rates`` are given: ``eagle3_jax.serve.replay`` of ``replay_prompts`` (texts) at those
+    arrival rates against a loopback server (``server_kw`` for its engine), per mode.
     """
     from tqdm import tqdm
 
@@ -155,6 +161,16 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(
         report["step2"][_label(b)] = rows
     report["peak_memory"] = peak_memory()
     report["summary"] = _attribution(report)
+    if replay_rates:
+        from eagle3_jax.serve import replay
+
+        report["step3"] = replay.replay(target, drafter, tokenizer, prompts=list(replay_prompts), rates=sorted(replay_rates),
+                                        requests=replay_requests, tiers=tiers, max_tokens=max_new_tokens, seed=seed,
+                                        log=lambda line: bar.write(line) if progress else None, **(server_kw or {}))
+        replay.write_figure(report["step3"], out_dir / "goodput_vs_rate.png")
+        x = report["step3"]["crossover_rate"]
+        report["summary"].append("under load (step 3), speculation " + (
+            f"stops paying at {x:g} requests/s" if x is not None else "paid at every arrival rate measured"))
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(report))
     _figures(report, out_dir)
@@ -208,6 +224,11 @@ def _markdown(report: dict) -> str:
                       f"{sampled} |")
     mem = report["peak_memory"]
     md += ["", f"Peak memory: {mem['bytes'] / 2 ** 30:.2f} GiB ({mem['source']}).", ""]
+    if "step3" in report:
+        from eagle3_jax.serve import replay
+
+        md += ["## Step 3: arrival-rate replay against the server (goodput per mode per rate)", "",
+               replay.table(report["step3"]), "", "![goodput](goodput_vs_rate.png)", ""]
     return "\n".join(md)
 
 

@@ -1,10 +1,11 @@
 """The speculative budget K as a controller: a set of tiers (no drafting, chains, trees) and a
 policy that picks one per round on device, inside the decode loop.
 
-Every tier runs the same round (draft → verify → commit); ``None`` is a round with nothing
-drafted (the target's step, the drafter catching up on the committed token).  All tiers are
-compiled into the one loop as ``lax.switch`` branches, with the caches sized for the largest;
-the tier never changes the output, only how fast it is computed.
+Every drafting tier runs the same round (draft → verify → commit); ``None`` drafts nothing:
+its rounds are plain target steps, run in bursts with one drafter catch-up after each.  All
+tiers are compiled into the one decode loop, each as its own inner loop of rounds that runs
+while the policy keeps it (``decode``), with the caches sized for the largest; the tier never
+changes the output, only how fast it is computed.
 
 The adaptive policy maximises expected committed tokens per millisecond:
 

@@ -1,4 +1,14 @@
-"""HTTP serving on top of :func:`eagle3_jax.generate` and budget controllers.
+"""The OpenAI-compatible server: continuous batching over ``eagle3_jax.decode.Slots``.
 
-Not implemented yet: no issue has asked for it.  The layout keeps its place.
+* :mod:`eagle3_jax.serve.engine` — the host-side scheduler (bounded queue, admission into
+  free slots between dispatches, one engine thread, hand-off to the asyncio loop);
+* :mod:`eagle3_jax.serve.output` — thinking / answer split, incremental detokenization,
+  stop strings, token counts;
+* :mod:`eagle3_jax.serve.app` — FastAPI endpoints (``/v1/chat/completions``,
+  ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``) and ``eagle3-jax serve``;
+* :mod:`eagle3_jax.serve.metrics` — Prometheus metrics;
+* :mod:`eagle3_jax.serve.replay` — Poisson arrival-rate replay (``eagle3-jax replay``).
+
+Nothing is imported here: FastAPI, uvicorn and prometheus_client (the ``serve`` extra) load
+with the submodules.
 """
