@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--rounds-per-dispatch", type=int, default=4)
+    p.add_argument("--rounds-per-dispatch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="solo: runs per prompt and side (the fastest kept)")
     args = p.parse_args(argv)
     args.requests = args.requests or (32 if args.mode == "solo" else 200)

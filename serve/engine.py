@@ -11,7 +11,8 @@ slot whose request finished on device is free for the next admission at once; on
 stop string is released a dispatch later).  ``k`` is
 ``rounds_per_dispatch`` while no request waits and 1 while one does (a fresh admission, or the
 queue is not empty), so a waiting request's first token or free slot is seen a round later,
-not ``k`` rounds later.  Nothing here blocks the event loop: :meth:`Engine.submit` and
+not ``k`` rounds later; when the only active requests are fresh admissions, their first
+tokens (from the prefill) are polled before any round is dispatched.  Nothing here blocks the event loop: :meth:`Engine.submit` and
 :meth:`Request.cancel` only take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
@@ -125,7 +126,7 @@ class Engine:
       metrics: an ``eagle3_jax.serve.metrics.Metrics`` (or None).
     """
 
-    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 4, metrics=None):
+    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 16, metrics=None):
         if max_queue < 0 or rounds_per_dispatch < 1:
             raise ValueError(f"need max_queue >= 0 and rounds_per_dispatch >= 1, got {max_queue}, {rounds_per_dispatch}")
         self.slots = slots
@@ -269,7 +270,7 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
-        if active:
+        if active and len(active) > len(admit):  # only fresh admissions: poll their first tokens first
             self.slots.run(1 if (admit or queued) else self.rounds_per_dispatch)
         pending, self._pending = self._pending, []
         for req, view in pending:  # the previous poll's tokens, while the device runs this dispatch
