@@ -1096,6 +1096,13 @@ class Slots:
             out.append(best)
         return out
 
+    def reset_policy(self):
+        """Forgets what the adaptive policy learned (e.g. from warm-up requests); the round
+        costs are kept.  Call between dispatches."""
+        if self.spec is not None:
+            ctl = policy.init(self.spec, self._state.ctl.round_ms, policy.fresh(self.spec))
+            self._state = dataclasses.replace(self._state, ctl=jax.device_put(ctl, self._state.ctl.round_ms.sharding))
+
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens can get in a slot (<= 0: it does not fit)."""
         if _bucket(prompt_len) > self.max_len:

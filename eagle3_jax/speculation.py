@@ -42,7 +42,9 @@ class Speculation:
     ``tiers``: ``TreeConfig`` s and ``None`` (no drafting); ``policy``: ``"adaptive"`` or
     ``"fixed"`` (always ``tiers[0]``); ``warmup``: rounds on the longest chain before adapting;
     ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
-    indices the policy may choose from.
+    indices the policy may choose from; ``probe``: after this many rounds without drafting,
+    the longest chain is tried again for ``cooldown`` rounds (acceptance is only learned from
+    drafting rounds, so without probes one bad stretch would end drafting for good; 0: never).
     """
 
     tiers: tuple
@@ -51,6 +53,7 @@ class Speculation:
     cooldown: int = 4
     min_tier: int = 0
     max_tier: int | None = None
+    probe: int = 256
 
     def __post_init__(self):
         tiers = tuple(self.tiers)
@@ -62,6 +65,8 @@ class Speculation:
                 raise TypeError(f"speculation.tiers[{i}] must be a TreeConfig or None, got {type(t).__name__}")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
+        if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 0:
+            raise ValueError(f"speculation.probe must be an integer >= 0, got {self.probe!r}")
         for name in ("warmup", "cooldown"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "cooldown" else 0):
@@ -196,6 +201,9 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     warm_tier = jnp.int32(_warmup_tier(spec))
     switch = ((ctl.since >= spec.cooldown) | (ctl.rounds == spec.warmup)) & (best != ctl.tier)  # free after warm-up
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
+    if None in spec.tiers and spec.probe and spec.tiers[_warmup_tier(spec)] is not None:
+        probing = ~warming & (ctl.tier == spec.tiers.index(None)) & (ctl.since >= spec.probe)
+        tier = jnp.where(probing, warm_tier, tier)
     return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since))
 
 

@@ -1,6 +1,6 @@
-"""Adaptive speculative budget vs static tiers on the built-in pair (greedy, one run each).
+"""Adaptive speculative budget vs static tiers on the built-in pair (greedy, the fastest of --repeats runs each).
 
-    python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8]
+    python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8] [--repeats 3]
 
 For each batch size: vanilla, each static tier, and the adaptive policy over those tiers
 (plus no drafting), with the trained drafter and with an untrained drafter of the same shape
@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode, the fastest kept (this machine is noisy)")
     ap.add_argument("--json", help="write the reports here")
     args = ap.parse_args(argv)
 
@@ -42,7 +43,7 @@ def main(argv=None):
         for batch in args.batch_sizes:
             print(f"--- {name} drafter, batch {batch}")
             rep = run_bench(target, d, prompts, trees=[*trees, Speculation((None, *trees))],
-                            max_new_tokens=args.max_new_tokens, batch_size=batch, repeats=1)
+                            max_new_tokens=args.max_new_tokens, batch_size=batch, repeats=args.repeats)
             vanilla = rep["vanilla"]["tokens_per_second"]
             static = {e["tree"]["name"]: e["tokens_per_second"] for e in rep["eagle3"][:-1]}
             ada = rep["eagle3"][-1]

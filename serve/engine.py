@@ -8,12 +8,13 @@ and handed to the asyncio loop that serves its HTTP response
 (``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``).  That host work on a
 poll's tokens runs after the next dispatch is issued, so it overlaps the device's work (a
 slot whose request finished on device is free for the next admission at once; one ended by a
-stop string is released a dispatch later).  ``k`` is
-``rounds_per_dispatch`` while no request waits and 1 while one does (a fresh admission, or the
-queue is not empty), so a waiting request's first token or free slot is seen a round later,
-not ``k`` rounds later; when the only active requests are fresh admissions, their first
-tokens (from the prefill) are polled before any round is dispatched.  Nothing here blocks the event loop: :meth:`Engine.submit` and
-:meth:`Request.cancel` only take a lock.
+stop string is released a dispatch later).  ``k`` is 1 while a request waits (a fresh
+admission, or the queue is not empty), so a waiting request's first token or free slot is
+seen a round later, not ``k`` rounds later; after that it doubles per dispatch up to
+``rounds_per_dispatch`` (fresh text streams at once, a long answer costs few host syncs).
+When the only active requests are fresh admissions, their first tokens (from the prefill) are
+polled before any round is dispatched.  Nothing here blocks the event loop:
+:meth:`Engine.submit` and :meth:`Request.cancel` only take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
 ``("done", Result)`` or ``("error", (http_status, message))``.
@@ -133,6 +134,7 @@ class Engine:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.max_queue = max_queue
         self.rounds_per_dispatch = rounds_per_dispatch
+        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 after an admission
         self.metrics = metrics
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -184,6 +186,7 @@ class Engine:
             s.poll()
             s.release(0)
             s.poll()
+        s.reset_policy()  # the warm-up request taught the adaptive policy nothing about real ones
 
     def submit(self, prompt_ids, params: Params, *, split: bool) -> Request:
         """Queues a request (call on the asyncio loop that reads its events); raises
@@ -271,7 +274,11 @@ class Engine:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
         if active and len(active) > len(admit):  # only fresh admissions: poll their first tokens first
-            self.slots.run(1 if (admit or queued) else self.rounds_per_dispatch)
+            if admit or queued:
+                self._ramp = 1
+            else:
+                self._ramp = min(2 * self._ramp, self.rounds_per_dispatch)
+            self.slots.run(self._ramp)
         pending, self._pending = self._pending, []
         for req, view in pending:  # the previous poll's tokens, while the device runs this dispatch
             if not req.done:

@@ -88,7 +88,16 @@ def test_poor_drafter_falls_back_to_no_drafting():
                               round_ms=(1.0, 1.5, 2.5))  # a chain-4 round costs 1.5 plain rounds here
     rest = _after_warmup(res, spec)
     assert rest.count("none") >= 0.8 * len(rest), rest
-    assert res.tokens == eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
+    want = eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
+    assert res.tokens == want
+    # with probes, drafting is tried again after every `probe` plain rounds (and dropped again)
+    spec = Speculation((None, TreeConfig.chain(4), TreeConfig(16, 4, 4)), warmup=2, cooldown=2, probe=8)
+    res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=64, speculation=spec, round_ms=(1.0, 1.5, 2.5))
+    rest = _after_warmup(res, spec)
+    probes = [i for i in range(1, len(rest)) if rest[i - 1] == "none" and rest[i] != "none"]
+    assert len(probes) >= 2 and all(rest[i - 8:i] == ["none"] * 8 for i in probes), rest
+    assert rest.count("none") >= 0.6 * len(rest), rest
+    assert res.tokens == want
 
 
 def test_adaptive_sampling_matches_the_target_distribution():
