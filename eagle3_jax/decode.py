@@ -992,10 +992,17 @@ def _slot_release(st: _State, slot) -> _State:
     return dataclasses.replace(st, done=st.done.at[slot].set(True))
 
 
+def _slot_reset(st: _State, *, loop: _Loop) -> _State:
+    """A fresh policy with the same round costs (inside a jit, so its arrays are of the kind
+    the compiled dispatches take: an eagerly built one made them compile again)."""
+    return dataclasses.replace(st, ctl=policy.init(loop.spec, st.ctl.round_ms, policy.fresh(loop.spec)))
+
+
 _slots_empty_jit = jax.jit(_slots_empty, static_argnums=(0, 2), static_argnames=("slots", "max_len", "stops", "loop"))
 _slot_insert_jit = jax.jit(_slot_insert, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
 _slot_rounds_jit = jax.jit(_slot_rounds, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
 _slot_release_jit = jax.jit(_slot_release, donate_argnums=(0,))
+_slot_reset_jit = jax.jit(_slot_reset, static_argnames=("loop",), donate_argnums=(0,))
 
 
 @dataclasses.dataclass
@@ -1100,8 +1107,7 @@ class Slots:
         """Forgets what the adaptive policy learned (e.g. from warm-up requests); the round
         costs are kept.  Call between dispatches."""
         if self.spec is not None:
-            ctl = policy.init(self.spec, self._state.ctl.round_ms, policy.fresh(self.spec))
-            self._state = dataclasses.replace(self._state, ctl=jax.device_put(ctl, self._state.ctl.round_ms.sharding))
+            self._state = _slot_reset_jit(self._state, loop=self._loop)
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens can get in a slot (<= 0: it does not fit)."""
