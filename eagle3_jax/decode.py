@@ -1064,6 +1064,9 @@ class Slots:
         self.stop_ids = tuple(sorted(set(target.config.eos_token_ids)))
         self._max_stops = _int_arg("max_stop_ids", max_stop_ids, 0) + len(self.stop_ids)
         self._scratch = 1 if self.spec is None else spec.scratch
+        if self.max_len < _bucket(1) + self._scratch + 1:
+            raise ValueError(f"max_len={self.max_len} leaves no room for a request: a prompt bucket of {_bucket(1)}, the "
+                             f"round's {self._scratch} scratch slot(s) and one new token need {_bucket(1) + self._scratch + 1}")
         self._target, self._vocab, self._tokenizer = target, vocab, tokenizer
         self._graphs = nnx.split(target), nnx.split(drafter) if drafter is not None else (None, None)
         self._loop = _Loop(self.max_len, None, self.spec, self.thinking)

@@ -107,6 +107,8 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
         slots.insert(1, prompts[1], max_new_tokens=8, temperature=-1.0)
     with pytest.raises(ValueError, match="max_len"):
         Slots(target, None, num_slots=1, max_len=10 ** 6)
+    with pytest.raises(ValueError, match="max_len=40 leaves no room"):
+        Slots(target, drafter, num_slots=1, max_len=40, speculation=TreeConfig(16, 4, 4))
     slots.run(20)
     v = slots.poll()[0]
     assert v.done and v.finish_reason in ("stop", "length") and len(v.tokens) <= 8
