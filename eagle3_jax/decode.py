@@ -999,8 +999,34 @@ def _slot_reset(st: _State, *, loop: _Loop) -> _State:
 
 
 _slots_empty_jit = jax.jit(_slots_empty, static_argnums=(0, 2), static_argnames=("slots", "max_len", "stops", "loop"))
-_slot_insert_jit = jax.jit(_slot_insert, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
-_slot_rounds_jit = jax.jit(_slot_rounds, static_argnums=(0, 2), static_argnames=("loop",), donate_argnums=(4,))
+_SLOT_PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # (graphs, loop) → (insert, rounds), LRU
+
+
+def _slot_programs(tgraph, dgraph, tdef, ddef, loop: _Loop):
+    """The jitted insert and dispatch for one pair and loop, with the graphs bound rather than
+    static arguments and the weights passed as flat lists (``tdef`` / ``ddef``: their tree
+    structures): a dispatch then neither hashes a graph nor walks an ``nnx.State`` on the host."""
+    key = (tgraph, dgraph, tdef, ddef, loop)
+    if key in _SLOT_PROGRAMS:
+        _SLOT_PROGRAMS.move_to_end(key)
+    else:
+        def states(tl, dl):
+            return jax.tree.unflatten(tdef, tl), None if ddef is None else jax.tree.unflatten(ddef, dl)
+
+        def insert(tl, dl, *a):
+            ts, ds = states(tl, dl)
+            return _slot_insert(tgraph, ts, dgraph, ds, *a, loop=loop)
+
+        def rounds(tl, dl, st, cap, tier):
+            ts, ds = states(tl, dl)
+            return _slot_rounds(tgraph, ts, dgraph, ds, st, cap, tier, loop=loop)
+
+        _SLOT_PROGRAMS[key] = (jax.jit(insert, donate_argnums=(2,)), jax.jit(rounds, donate_argnums=(2,)))
+        while len(_SLOT_PROGRAMS) > COMPILE_CACHE_SIZE:
+            _SLOT_PROGRAMS.popitem(last=False)
+    return _SLOT_PROGRAMS[key]
+
+
 _slot_release_jit = jax.jit(_slot_release, donate_argnums=(0,))
 _slot_reset_jit = jax.jit(_slot_reset, static_argnames=("loop",), donate_argnums=(0,))
 
@@ -1070,6 +1096,10 @@ class Slots:
         self._target, self._vocab, self._tokenizer = target, vocab, tokenizer
         self._graphs = nnx.split(target), nnx.split(drafter) if drafter is not None else (None, None)
         self._loop = _Loop(self.max_len, None, self.spec, self.thinking)
+        (tg, ts), (dg, ds) = self._graphs
+        self._leaves = (jax.tree.leaves(ts), jax.tree.leaves(ds) if ds is not None else [])
+        self._insert_fn, self._rounds_fn = _slot_programs(tg, dg, jax.tree.structure(ts),
+                                                          None if ds is None else jax.tree.structure(ds), self._loop)
         self._busy = [False] * self.num_slots
         self._stops = [set(self.stop_ids)] * self.num_slots
         self._prompt_phase = [budget.BEFORE] * self.num_slots
@@ -1146,12 +1176,10 @@ class Slots:
         prompt_1xT = np.zeros((1, T), np.int32)
         prompt_1xT[0, : prompt.size] = prompt
         row = lambda v, dtype=np.int32: np.asarray([v], dtype)  # noqa: E731  (numpy: no eager device work)
-        (tg, ts), (dg, ds) = self._graphs
-        self._state = _slot_insert_jit(
-            tg, ts, dg, ds, self._state, np.int32(slot), prompt_1xT, row(prompt.size), np.uint32(seed), row(budget_),
+        self._state = self._insert_fn(
+            *self._leaves, self._state, np.int32(slot), prompt_1xT, row(prompt.size), np.uint32(seed), row(budget_),
             row(phase), np.asarray([stops + [-1] * (self._max_stops - len(stops))], np.int32), row(max_new_tokens),
-            row(sampling.temperature, np.float32), row(sampling.top_p, np.float32), row(sampling.top_k),
-            loop=self._loop)
+            row(sampling.temperature, np.float32), row(sampling.top_p, np.float32), row(sampling.top_k))
         self._busy[slot] = True
         self._stops[slot] = set(stops)
         self._prompt_phase[slot] = phase
@@ -1161,9 +1189,7 @@ class Slots:
         self._dispatch(_int_arg("rounds", rounds, 1), -1)
 
     def _dispatch(self, rounds: int, force_tier: int):
-        (tg, ts), (dg, ds) = self._graphs
-        self._state = _slot_rounds_jit(tg, ts, dg, ds, self._state, np.int32(rounds), np.int32(force_tier),
-                                       loop=self._loop)
+        self._state = self._rounds_fn(*self._leaves, self._state, np.int32(rounds), np.int32(force_tier))
 
     def release(self, slot: int):
         """Ends the request in ``slot`` now (e.g. its client went away); the slot is free."""
