@@ -276,12 +276,12 @@ def _cmd_experiment(args) -> int:
     if args.tree:
         kw["tiers"] = tuple(args.tree)
     if args.replay_rates:  # step 3: the arrival-rate replay, on the built-in eval prompts' texts
-        kw.update(replay_rates=tuple(args.replay_rates), replay_requests=args.replay_requests,
-                  replay_prompts=[t["prompt"] for t in builtin.eval_tasks()] if is_builtin else None,
-                  server_kw=dict(max_batch=8, max_len=min(target.config.max_position_embeddings, 1024)))
         if not is_builtin:
             raise ValueError("--replay-rates needs the built-in pair (its eval prompts); pass --replay-rates with no "
                              "value to skip step 3, or run `eagle3-jax replay` on your pair")
+        kw.update(replay_rates=tuple(args.replay_rates), replay_requests=args.replay_requests,
+                  replay_prompts=[t["prompt"] for t in builtin.eval_tasks()],
+                  server_kw=dict(max_batch=8, max_len=min(target.config.max_position_embeddings, 1024)))
     report = run_experiment(target, drafter, tok, prompts, grade=grade, batch_size=args.batch_size,
                             max_new_tokens=args.max_new_tokens, sampled_temperature=args.sampled_temperature or None,
                             seed=args.seed, out_dir=out, **kw)

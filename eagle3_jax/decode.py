@@ -25,7 +25,7 @@ from eagle3_jax.models.drafter import declare as declare_drafter
 from eagle3_jax.models.target import check_token_ids
 from eagle3_jax.models.target import declare as declare_target
 from eagle3_jax.speculation import Speculation
-from eagle3_jax.tree import Tree, TreeConfig, expand, forced_chain
+from eagle3_jax.tree import TreeConfig, expand, forced_chain
 from eagle3_jax.verify import RowSampling, SamplingConfig, sample, verify
 
 
@@ -215,16 +215,10 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
     return _emit(st, first[:, None], jnp.ones((B,), jnp.int32), loop)
 
 
-def _root_only(root_B) -> Tree:
-    """The tree of a round that drafts nothing: the root alone."""
-    B = root_B.shape[0]
-    return Tree(root_B[:, None], jnp.full((B, 1), -1, jnp.int32), jnp.zeros((B, 1), jnp.int32),
-                jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1, 1), jnp.int32))
-
-
 def _target_step(target, st: _State, loop: _Loop):
     """One target step per active row (no drafter): ``(state, features_Bx3H of the fed token,
-    the token emitted after it, active_B)``; records a round of tier 0."""
+    the token emitted after it, the round's record_B)`` (record: 0, -2 when forced, -1 for a
+    row that is done); records a round of tier 0."""
     thinking = loop.thinking
     B = st.root.shape[0]
     with jax.named_scope("step"):
@@ -248,7 +242,7 @@ def _target_step(target, st: _State, loop: _Loop):
                                  root=jnp.where(active, nxt, st.root), key=key, think=think,
                                  accept=st.accept.at[jnp.arange(B), st.rounds].set(record, mode="drop"))
         st = _emit(st, nxt[:, None], active.astype(jnp.int32), loop, st.rounds)
-        return dataclasses.replace(st, rounds=st.rounds + active, step=st.step + 1), feats[:, 0], nxt, active
+        return dataclasses.replace(st, rounds=st.rounds + active, step=st.step + 1), feats[:, 0], nxt, record
 
 
 def _vanilla_round(target, st: _State, loop: _Loop) -> _State:
@@ -268,10 +262,10 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
     def step(carry):
         i, s, feats_BxNxF, tokens_BxN, count_B = carry
         rounds = s.rounds
-        s, feats, nxt, active = _target_step(target, s, loop)
-        record = s.accept[bidx, jnp.minimum(rounds, s.accept.shape[1] - 1)]
+        s, feats, nxt, record = _target_step(target, s, loop)
+        active = record != -1
         s = dataclasses.replace(
-            s, ctl=policy.update(s.ctl, loop.spec, jnp.maximum(record, 0), active & (record >= 0)),
+            s, ctl=policy.update(s.ctl, loop.spec, jnp.maximum(record, 0), record >= 0),
             round_tier=s.round_tier.at[bidx, rounds].set(jnp.where(active, none, 0), mode="drop"))
         return (i + 1, s, feats_BxNxF.at[:, i].set(feats.astype(feats_BxNxF.dtype)), tokens_BxN.at[:, i].set(nxt),
                 count_B + active)
@@ -288,20 +282,21 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
     return dataclasses.replace(st2, dcache=kv_cache.advance(dcache, count_B), last_hidden=last)
 
 
-def _propose(target, drafter, operand, tree: TreeConfig | None, loop: _Loop):
-    """Tier ``tree``'s draft and verification (``None``: nothing drafted); the caches are only
-    read.  Returns the accepted path's data, padded to the largest tier's path: node ids,
-    accepted count, bonus, the token after each node, its target features and keys/values."""
-    root, last_hidden, tcache, dcache, force, active, sub, rows = operand  # only what a proposal reads
+def _propose(target, drafter, st: _State, active_B, sub_B, tree: TreeConfig, loop: _Loop):
+    """Tier ``tree``'s draft and verification; the caches are only read.  Returns the accepted
+    path's data, padded to the largest tier's path: node ids, accepted count, bonus, the token
+    after each node, its target features and keys/values, and the forced tokens committed."""
+    root, tcache = st.root, st.tcache
     B = root.shape[0]
     thinking = loop.thinking
     forcing, n_forced = jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32)
     with jax.named_scope("draft"):
-        t = _root_only(root) if tree is None else expand(drafter, dcache, last_hidden, root, tree)
-        F = 0 if tree is None else min(tree.total_tokens, tree.path_len) - 1
+        t = expand(drafter, st.dcache, st.last_hidden, root, tree)
+        F = min(tree.total_tokens, tree.path_len) - 1
         if thinking is not None and F:  # sequences forcing E commit it as a chain instead of a draft
             end_ids, m = _end_ids(thinking), len(thinking.end_ids)
-            forcing = active & (force >= 0)
+            force = st.think.force
+            forcing = active_B & (force >= 0)
             start = jnp.maximum(force, 0)
             n_forced = jnp.clip(m - start, 0, F)
             ids = end_ids[jnp.minimum(start[:, None] + jnp.arange(F)[None], m - 1)]
@@ -310,8 +305,7 @@ def _propose(target, drafter, operand, tree: TreeConfig | None, loop: _Loop):
     with jax.named_scope("verify"):
         logits, feats, new_kv = target.forward(t.tokens, tcache.lengths[:, None] + t.depth, cache=tcache,
                                                region_mask_BxTxR=t.mask)
-        sampling = loop.sampling if loop.sampling is not None else rows
-        path, accepted, bonus = verify(t, logits, sub, sampling, 1 if tree is None else tree.top_k, force_B=forcing)
+        path, accepted, bonus = verify(t, logits, sub_B, _sampling(st, loop), tree.top_k, force_B=forcing)
         node = jnp.maximum(path, 0)
         drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
         b = jnp.arange(B)[:, None]
@@ -332,9 +326,7 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
-    operand = (st.root, st.last_hidden, st.tcache, st.dcache,
-               think.force if thinking is not None else jnp.full((B,), -1, jnp.int32), active, sub, st.sampling)
-    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = _propose(target, drafter, operand,
+    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = _propose(target, drafter, st, active, sub,
                                                                              spec.tiers[tier], loop)
     j = jnp.arange(P_max)[None]
     if thinking is not None:

@@ -416,6 +416,15 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
         except EngineDown as e:
             raise ApiError(503, str(e), None, "engine_down") from None
 
+    def response(prefix: str, kind: str, choice: dict, res, req, body) -> dict:
+        """A non-streamed response around its one choice (token ids on request, as vLLM)."""
+        out = {"id": prefix + uuid.uuid4().hex, "object": kind, "created": int(time.time()),
+               "model": cfg.model_name, "choices": [choice], "usage": usage(res)}
+        if body.return_token_ids:
+            choice["token_ids"] = res.tokens
+            out["prompt_token_ids"] = req.prompt_ids
+        return out
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         if metrics is not None:
@@ -429,12 +438,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
         message = {"role": "assistant", "content": res.texts.get("content", ""), "reasoning_content": reasoning,
                    "reasoning": reasoning}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(res.finish_reason)}
-        out = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-               "model": cfg.model_name, "choices": [choice], "usage": usage(res)}
-        if body.return_token_ids:
-            choice["token_ids"] = res.tokens
-            out["prompt_token_ids"] = req.prompt_ids
-        return out
+        return response("chatcmpl-", "chat.completion", choice, res, req, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -447,12 +451,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
         res = await _wait(req, request)
         choice = {"index": 0, "text": res.texts.get("text", ""), "logprobs": None,
                   "finish_reason": _finish_reason(res.finish_reason)}
-        out = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-               "model": cfg.model_name, "choices": [choice], "usage": usage(res)}
-        if body.return_token_ids:
-            choice["token_ids"] = res.tokens
-            out["prompt_token_ids"] = req.prompt_ids
-        return out
+        return response("cmpl-", "text_completion", choice, res, req, body)
 
     return app
 
