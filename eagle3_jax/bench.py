@@ -95,69 +95,113 @@ def peak_memory() -> dict:
     return {"bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "source": "host peak RSS"}
 
 
+def category_groups(n: int, categories=None) -> dict:
+    """Prompt indices per category (``categories[i]``: prompt ``i``'s, as a string), in order of
+    first appearance; one group, ``None``, of all ``n`` prompts without categories."""
+    if categories is None:
+        return {None: list(range(n))}
+    categories = list(categories)
+    if len(categories) != n:
+        raise ValueError(f"categories: {len(categories)} values for {n} prompts")
+    groups: dict = {}
+    for i, c in enumerate(categories):
+        groups.setdefault(str(c), []).append(i)
+    return groups
+
+
 def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, batch_size: int = 1, seed: int = 0, repeats: int = 3,
-              grade=None, parts: dict | None = None, generate_kw: dict | None = None, log=print) -> dict:
+              grade=None, categories=None, parts: dict | None = None, generate_kw: dict | None = None,
+              log=print) -> dict:
     """Runs vanilla and EAGLE-3 per tree budget (a ``TreeConfig``, or a ``Speculation`` of
     tiers with its policy, reported as ``adaptive``) on the same prompts (each timed as the
     fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
+    ``categories[i]``: prompt ``i``'s category (e.g. a task family): each category's prompts
+    run in batches of their own and every figure (tokens/s, speedup, τ, accuracy, identity)
+    is also reported per category under ``by_category``;
     ``generate_kw``: further ``generate`` arguments for both modes (e.g. the thinking budget);
     ``parts`` caches :func:`round_parts` per tree (and length and batch) across calls (e.g. one per temperature).
     """
     parts = {} if parts is None else parts
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    groups = category_groups(len(prompts), categories)
+    cats = [] if categories is None else list(groups)
 
-    def run(drafter_, tree):
-        tokens, seconds, stats = [], 0.0, []
-        for i in range(0, len(prompts), batch_size):
-            runs = [generate(target, drafter_, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
-                             speculation=tree, **sampling, **(generate_kw or {})) for _ in range(repeats)]
-            tokens += runs[0].tokens
-            seconds += min(r.stats["seconds"] for r in runs)
-            stats.append(runs[0].stats)
+    def run(drafter_, tree):  # per prompt tokens; per category seconds and chunk statistics
+        tokens, seconds, stats = [None] * len(prompts), {}, {}
+        for cat, idx in groups.items():
+            for j in range(0, len(idx), batch_size):
+                ids = idx[j:j + batch_size]
+                runs = [generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
+                                 speculation=tree, **sampling, **(generate_kw or {})) for _ in range(repeats)]
+                for i, t in zip(ids, runs[0].tokens):
+                    tokens[i] = t
+                seconds[cat] = seconds.get(cat, 0.0) + min(r.stats["seconds"] for r in runs)
+                stats.setdefault(cat, []).append(runs[0].stats)
         return tokens, seconds, stats
 
-    def accuracy(tokens):
-        return None if grade is None else sum(grade(i, t) for i, t in enumerate(tokens)) / len(tokens)
+    def graded(tokens):
+        return None if grade is None else [bool(grade(i, t)) for i, t in enumerate(tokens)]
+
+    def mean(values, idx):
+        return None if values is None else sum(values[i] for i in idx) / len(idx)
+
+    def z(p1, p2, n):  # two-proportion z: |z| < 2 is agreement within noise
+        p = (p1 + p2) / 2
+        se = (2 * p * (1 - p) / n) ** 0.5
+        return 0.0 if se == 0 else (p1 - p2) / se
 
     base_tokens, base_s, _ = run(None, None)
-    n_base = sum(map(len, base_tokens))
+    base_correct = graded(base_tokens)
+
+    def vanilla_row(idx, seconds):
+        n = sum(len(base_tokens[i]) for i in idx)
+        return {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": n / seconds,
+                "accuracy": mean(base_correct, idx)}
+
     thinking = {k: v for k, v in (generate_kw or {}).items() if k.startswith("thinking")}
+    everyone = range(len(prompts))
+    vanilla = vanilla_row(everyone, sum(base_s.values()))
+    if cats:
+        vanilla["by_category"] = {c: vanilla_row(groups[c], base_s[c]) for c in cats}
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
-                           "repeats": repeats, **sampling},
-              "vanilla": {"tokens": n_base, "seconds": base_s, "tokens_per_second": n_base / base_s,
-                          "accuracy": accuracy(base_tokens)}, "eagle3": []}
-    log(f"[T={temperature}] vanilla: {n_base} tokens in {base_s:.2f}s = {n_base / base_s:.1f} tok/s"
-        + (f", accuracy {report['vanilla']['accuracy']:.3f}" if grade else ""))
+                           "repeats": repeats, **sampling, **({"categories": {c: len(groups[c]) for c in cats}} if cats else {})},
+              "vanilla": vanilla, "eagle3": []}
+    log(f"[T={temperature}] vanilla: {vanilla['tokens']} tokens in {vanilla['seconds']:.2f}s = "
+        f"{vanilla['tokens_per_second']:.1f} tok/s" + (f", accuracy {vanilla['accuracy']:.3f}" if grade else ""))
     for tree in trees:
-        tokens, s, stats = run(drafter, tree)
-        n = sum(map(len, tokens))
-        acc = [a for st in stats for row in st["accept_lengths"] for a in row]
-        rounds = len(acc)
+        tokens, secs, stats = run(drafter, tree)
+        correct = graded(tokens)
         adaptive = isinstance(tree, Speculation)
-        tau, rate = acceptance(acc, tree.positions if adaptive else tree.path_len - 1)
+
+        def row(idx, seconds, stats_, base):
+            n = sum(len(tokens[i]) for i in idx)
+            acc = [a for st in stats_ for r in st["accept_lengths"] for a in r]
+            tau, rate = acceptance(acc, tree.positions if adaptive else tree.path_len - 1)
+            out = {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": n / seconds,
+                   "speedup": (n / seconds) / base["tokens_per_second"], "tau": tau, "rounds": len(acc),
+                   "acceptance_rate": rate, "accuracy": mean(correct, idx),
+                   "identical_to_vanilla": all(tokens[i] == base_tokens[i] for i in idx) if temperature == 0 else None}
+            if grade is not None and temperature > 0:
+                out["accuracy_z"] = z(out["accuracy"], base["accuracy"], len(idx))
+            return out
+
+        entry = row(everyone, sum(secs.values()), [s for c in groups for s in stats[c]], vanilla)
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)
-        entry = {
-            "tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
-                    {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
-            "tokens": n, "seconds": s, "tokens_per_second": n / s, "speedup": (n / s) / (n_base / base_s),
-            "tau": tau, "rounds": rounds, "acceptance_rate": rate,
-            "wall_ms_per_round": 1e3 * s / max(rounds, 1), **parts.get(key, {}), "accuracy": accuracy(tokens),
-            "identical_to_vanilla": tokens == base_tokens if temperature == 0 else None,
-        }
-        if grade is not None and temperature > 0:  # two-proportion z: |z| < 2 is agreement within noise
-            p = (entry["accuracy"] + report["vanilla"]["accuracy"]) / 2
-            se = (2 * p * (1 - p) / len(prompts)) ** 0.5
-            entry["accuracy_z"] = 0.0 if se == 0 else (entry["accuracy"] - report["vanilla"]["accuracy"]) / se
+        entry = {"tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
+                 {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
+                 **entry, "wall_ms_per_round": 1e3 * entry["seconds"] / max(entry["rounds"], 1), **parts.get(key, {})}
+        if cats:
+            entry["by_category"] = {c: row(groups[c], secs[c], stats[c], vanilla["by_category"][c]) for c in cats}
         report["eagle3"].append(entry)
         if adaptive:
             counts: dict = {}
-            for st in stats:
+            for st in (s for c in groups for s in stats[c]):
                 for name, c in st["tier_rounds"].items():
                     counts[name] = counts.get(name, 0) + c
             entry["tier_rounds"] = counts
@@ -167,10 +211,15 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
                       f"catch-up {entry['catch_up_ms']:.2f}, commit {entry['commit_ms']:.2f}, rest "
                       f"{entry['emit_ms'] + entry['loop_ms']:.2f}; "
                       f"{entry['round_ms'] / (entry['draft_ms'] + entry['verify_ms']):.2f}x draft + verify)")
-        log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {n / s:.1f} tok/s, speedup {entry['speedup']:.2f}x, "
-            f"tau {entry['tau']:.2f}, acceptance per position {[round(r, 2) for r in rate]}, {detail}"
+        log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {entry['tokens_per_second']:.1f} tok/s, "
+            f"speedup {entry['speedup']:.2f}x, tau {entry['tau']:.2f}, acceptance per position "
+            f"{[round(r, 2) for r in entry['acceptance_rate']]}, {detail}"
             + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
+        for c, r in entry.get("by_category", {}).items():
+            log(f"    {c} ({r['prompts']} prompts): {r['tokens_per_second']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
+                f"tau {r['tau']:.2f}" + (f", accuracy {r['accuracy']:.3f} (vanilla "
+                                          f"{vanilla['by_category'][c]['accuracy']:.3f})" if grade else ""))
     report["peak_memory"] = peak_memory()
     return report
 

@@ -1,25 +1,33 @@
 """The built-in model pair: a small reasoning target trained by ``train/builtin.py`` and its
 EAGLE-3 drafter, shipped in the package so that the main job runs offline.
 
-The target answers two task families with a ``<think> … </think>`` phase, then a final
-line that :func:`grade` checks:
+The target answers four task families.  Each response is a ``<think> … </think>`` phase of
+short lines, each depending on the prompt and the previous lines only (so a small model
+learns the procedure), then ``The answer is X.``; :func:`grade` checks it.
 
-* **arith**: repeated addition or subtraction, e.g. ``Start at 17 and add 3, 4 times.`` →
-  one line per step (``Step 2: 20 + 3 = 23.``) → ``The answer is 29.``
-* **reverse**: reverse a list of made-up words, e.g. ``Reverse the list: kamo, tirel, bosu.``
-  → walk it back one item at a time (``Before bosu in the list comes tirel.``) →
-  ``The reversed list is: bosu, tirel, kamo.``
+* **qa** — a question answered from facts in the prompt (lookup, comparison), little
+  thinking: ``Facts: Kamo is 12 years old and lives in Tirel. … Question: How old is Kamo?``
+* **math** — repeated addition or subtraction, 1 to 12 steps:
+  ``Start at 17 and add 3, 4 times.`` → ``Step 1: 17 + 3 = 20.`` … → ``The answer is 29.``
+* **code** — trace a small program (assignments, a loop, a condition) and give what it prints.
+* **tool** — decide on a tool call after thinking and emit it as JSON between
+  ``<tool_call>`` and ``</tool_call>``; :func:`run_tasks` runs the tool (:func:`call_tool`: a
+  calculator, a price table), appends the result as a ``tool`` turn and the model answers.
 
-Each thinking line depends on the previous line and the prompt only, so a small model learns
-the procedure; answering without it needs the whole computation in one step, so accuracy
-rises with the thinking allowed.  Tasks are generated from a seed (no data set is
-downloaded); the held-out evaluation set uses seeds the training data never uses.
+Without thinking, math and code need their whole computation in one step, so accuracy rises
+with the thinking budget there; qa needs almost none.  Tasks are generated from a seed (no
+data set is downloaded); the held-out evaluation set uses seeds the training data never uses
+and :func:`make_tasks` skips any prompt of it.  The graders re-derive every answer from the
+prompt text with their own parsers (and run the programs with Python), independently of the
+generator.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import operator
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -31,33 +39,53 @@ TARGET_DIR = ASSETS / "target"
 DRAFTER_DIR = ASSETS / "drafter"
 EVAL_FILE = ASSETS / "eval.json"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-FAMILIES = ("arith", "reverse")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+FAMILIES = ("qa", "math", "code", "tool")
+TOOLS = ("calculator", "lookup")
 EVAL_SEED = 10_000  # training seeds stay below this
+EVAL_TASKS = 200  # the held-out set: make_tasks(EVAL_TASKS, EVAL_SEED), 50 per family
 DEFAULT_TREE = "chain6"  # the best budget on a 2-core CPU (see the README's benchmark table)
 BENCH_TREES = ("chain4", "chain6", "16,4,4", "32,6,8", "60,7,10")
+ANSWER_RE = re.compile(r"The answer is (.+?)\.(?:\s|$)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One task: the user prompt, the thinking lines, the expected final answer."""
+    """One task: the user prompt, the thinking lines, the expected final answer; tool tasks
+    also carry the expected call (JSON text) and the tool's result."""
 
     family: str
     prompt: str
     steps: tuple[str, ...]
     answer: str
+    call: str = ""
+    result: str = ""
 
     def final_line(self) -> str:
-        return f"The answer is {self.answer}." if self.family == "arith" else f"The reversed list is: {self.answer}."
+        return f"The answer is {self.answer}."
 
     def response(self, think_lines: int | None = None) -> str:
-        """The assistant turn; ``think_lines`` < len(steps) gives a cut-short thinking phase."""
+        """The (first) assistant turn; ``think_lines`` < len(steps) cuts thinking short."""
         steps = self.steps if think_lines is None else self.steps[:think_lines]
-        return f"{THINK_OPEN}\n" + "".join(s + "\n" for s in steps) + f"{THINK_CLOSE}\n" + self.final_line()
+        end = f"{CALL_OPEN}{self.call}{CALL_CLOSE}" if self.family == "tool" else self.final_line()
+        return f"{THINK_OPEN}\n" + "".join(s + "\n" for s in steps) + f"{THINK_CLOSE}\n" + end
+
+    def messages(self, think_lines: int | None = None) -> list[dict]:
+        """The whole conversation (tool tasks: the call, the tool turn, the final answer)."""
+        msgs = [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.response(think_lines)}]
+        if self.family == "tool":
+            msgs += [{"role": "tool", "content": self.result}, {"role": "assistant", "content": self.final_line()}]
+        return msgs
 
 
+def task_from_dict(task: dict | Task) -> Task:
+    return task if isinstance(task, Task) else Task(**{**task, "steps": tuple(task["steps"])})
+
+
+# ------------------------------------------------------------------ vocabulary and tools
 @lru_cache(maxsize=1)
 def lexicon(size: int = 600) -> tuple[str, ...]:
-    """Pronounceable made-up words (fixed seed), the reverse family's vocabulary."""
+    """Pronounceable made-up words (fixed seed): the names, towns and goods of the tasks."""
     rng = np.random.default_rng(1234)
     onsets = list("bdfgklmnprstvz") + ["br", "tr", "st", "sh", "ch"]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou"]
@@ -69,35 +97,202 @@ def lexicon(size: int = 600) -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
-def arith_task(rng: np.random.Generator) -> Task:
-    n, d = int(rng.integers(3, 9)), int(rng.integers(2, 10))
+def _names() -> tuple[str, ...]:
+    return tuple(w.capitalize() for w in lexicon()[:200])
+
+
+def _towns() -> tuple[str, ...]:
+    return tuple(w.capitalize() for w in lexicon()[200:300])
+
+
+def _goods() -> tuple[str, ...]:
+    return lexicon()[300:]
+
+
+@lru_cache(maxsize=1)
+def price_table() -> dict[str, int]:
+    """The ``lookup`` tool's ``price`` table: a fixed price (1–99) for each good."""
+    rng = np.random.default_rng(4321)
+    return {g: int(p) for g, p in zip(_goods(), rng.integers(1, 100, len(_goods())))}
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _calc(expression: str) -> int:
+    """Integer ``+ - *`` arithmetic, parsed (never ``eval``-ed)."""
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError(f"unsupported expression {expression!r}")
+
+    return ev(ast.parse(expression, mode="eval"))
+
+
+def call_tool(call: dict) -> str:
+    """Runs a parsed tool call ``{"name": ..., "arguments": {...}}``: ``calculator``
+    (``expression``) or ``lookup`` (``table`` = ``price``, ``key``); an ``error: …`` text
+    for anything else."""
+    try:
+        name, args = call["name"], call["arguments"]
+        if name == "calculator":
+            return str(_calc(str(args["expression"])))
+        if name == "lookup":
+            if args.get("table") != "price":
+                return f"error: no table {args.get('table')!r}"
+            key = str(args["key"])
+            return str(price_table()[key]) if key in price_table() else f"error: no {key!r} in the price table"
+        return f"error: no tool {name!r}"
+    except (KeyError, TypeError, ValueError, SyntaxError, RecursionError) as e:
+        return f"error: {type(e).__name__}"
+
+
+def parse_call(text: str) -> dict | None:
+    """The tool call of an assistant turn (the JSON between ``<tool_call>`` tags), or None."""
+    m = re.search(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), text, re.S)
+    if not m:
+        return None
+    try:
+        call = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    return call if isinstance(call, dict) and isinstance(call.get("arguments"), dict) and "name" in call else None
+
+
+# ------------------------------------------------------------------ generators
+def qa_task(rng: np.random.Generator) -> Task:
+    n = int(rng.integers(2, 6))
+    names = [_names()[i] for i in rng.choice(len(_names()), n, replace=False)]
+    towns = [_towns()[i] for i in rng.choice(len(_towns()), n, replace=False)]
+    ages = [int(a) for a in rng.choice(np.arange(10, 90), n, replace=False)]
+    facts = [f"{p} is {a} years old and lives in {t}." for p, a, t in zip(names, ages, towns)]
+    kind = rng.choice(["age", "town", "who", "older", "oldest", "youngest"], p=[0.25, 0.2, 0.15, 0.2, 0.1, 0.1])
+    i, j = (int(x) for x in rng.choice(n, 2, replace=False))
+    if kind == "age":
+        q, steps, ans = f"How old is {names[i]}?", [facts[i]], str(ages[i])
+    elif kind == "town":
+        q, steps, ans = f"Where does {names[i]} live?", [facts[i]], towns[i]
+    elif kind == "who":
+        q, steps, ans = f"Who lives in {towns[i]}?", [facts[i]], names[i]
+    elif kind == "older":
+        win = i if ages[i] > ages[j] else j
+        q = f"Who is older, {names[i]} or {names[j]}?"
+        steps = [f"{names[i]} is {ages[i]}.", f"{names[j]} is {ages[j]}.",
+                 f"{max(ages[i], ages[j])} is more than {min(ages[i], ages[j])}, so {names[win]} is older."]
+        ans = names[win]
+    else:
+        sign = 1 if kind == "oldest" else -1
+        word = "oldest" if kind == "oldest" else "youngest"
+        q, best, steps = f"Who is the {word}?", 0, [f"{names[0]} is {ages[0]}, the {word} so far."]
+        for k in range(1, n):
+            if sign * ages[k] > sign * ages[best]:
+                best = k
+                steps.append(f"{names[k]} is {ages[k]}, the {word} so far.")
+            else:
+                steps.append(f"{names[k]} is {ages[k]}, {names[best]} is still the {word}.")
+        ans = names[best]
+    return Task("qa", "Facts: " + " ".join(facts) + f" Question: {q}", tuple(steps), ans)
+
+
+def math_task(rng: np.random.Generator) -> Task:
+    n, d = int(rng.integers(1, 13)), int(rng.integers(2, 10))
     add = rng.random() < 0.5
-    start = int(rng.integers(2, 61)) if add else int(rng.integers(n * d, n * d + 60))
+    start = int(rng.integers(2, 100)) if add else int(rng.integers(n * d, n * d + 100))
     steps, total = [], start
     for i in range(1, n + 1):
         new = total + d if add else total - d
         steps.append(f"Step {i}: {total} {'+' if add else '-'} {d} = {new}.")
         total = new
-    template = ["Start at {} and {} {}, {} times.", "Begin with {} and {} {}, {} times."][int(rng.integers(2))]
-    return Task("arith", template.format(start, "add" if add else "subtract", d, n), tuple(steps), str(total))
+    times = "once" if n == 1 else f"{n} times"
+    template = ["Start at {} and {} {}, {}.", "Begin with {} and {} {}, {}."][int(rng.integers(2))]
+    return Task("math", template.format(start, "add" if add else "subtract", d, times), tuple(steps), str(total))
 
 
-def reverse_task(rng: np.random.Generator) -> Task:
-    words = lexicon()
-    items = [words[i] for i in rng.choice(len(words), size=int(rng.integers(3, 8)), replace=False)]
-    steps = [f"The list ends with {items[-1]}."]
-    steps += [f"Before {items[i]} in the list comes {items[i - 1]}." for i in range(len(items) - 1, 0, -1)]
-    steps.append(f"Nothing comes before {items[0]}.")
-    template = ["Reverse the list: {}.", "Reverse this list: {}.", "Write the list backwards: {}."][int(rng.integers(3))]
-    return Task("reverse", template.format(", ".join(items)), tuple(steps), ", ".join(reversed(items)))
+def code_task(rng: np.random.Generator) -> Task:
+    n, y = int(rng.integers(1, 9)), int(rng.integers(2, 10))
+    add = rng.random() < 0.6
+    x = int(rng.integers(10, 50)) if add else int(rng.integers(n * y + 10, n * y + 50))
+    lines, steps = [f"x = {x}", f"y = {y}", f"for i in range({n}):", f"    x = x {'+' if add else '-'} y"], [f"x = {x} and y = {y}."]
+    for i in range(n):
+        new = x + y if add else x - y
+        steps.append(f"i = {i}: x = {x} {'+' if add else '-'} {y} = {new}.")
+        x = new
+    c, k = int(rng.integers(max(x - 20, 0), x + 20)), int(rng.integers(1, 10))
+    gt, has_else = rng.random() < 0.5, rng.random() < 0.5
+    op = ">" if gt else "<"
+    lines += [f"if x {op} {c}:", f"    x = x - {k}"] + (["else:", f"    x = x + {k}"] if has_else else []) + ["print(x)"]
+    holds = x > c if gt else x < c
+    if holds:
+        steps.append(f"Is {x} {op} {c}? Yes: x = {x} - {k} = {x - k}.")
+        x -= k
+    elif has_else:
+        steps.append(f"Is {x} {op} {c}? No: x = {x} + {k} = {x + k}.")
+        x += k
+    else:
+        steps.append(f"Is {x} {op} {c}? No.")
+    return Task("code", "What does this program print?\n" + "\n".join(lines), tuple(steps), str(x))
 
 
-def make_tasks(n: int, seed: int) -> list[Task]:
-    """``n`` tasks, the two families alternating, reproducible from ``seed``."""
+def tool_task(rng: np.random.Generator) -> Task:
+    who = _names()[int(rng.integers(len(_names())))]
+    goods = _goods()
+    if rng.random() < 0.5:  # calculator
+        per, count = int(rng.integers(12, 100)), int(rng.integers(12, 100))
+        item = goods[int(rng.integers(len(goods)))]
+        if rng.random() < 0.5:
+            prompt = f"A box holds {per} {item}. How many {item} are in {count} boxes?"
+            steps, expr = [f"{per} {item} in each of {count} boxes.", f"That is {per} * {count}."], f"{per} * {count}"
+        else:
+            extra = int(rng.integers(2, 10))
+            prompt = f"A box holds {per} {item}. {who} has {count} boxes and {extra} loose {item}. How many {item} does {who} have?"
+            steps = [f"{per} {item} in each of {count} boxes.", f"That is {per} * {count}.",
+                     f"Plus {extra} loose: {per} * {count} + {extra}."]
+            expr = f"{per} * {count} + {extra}"
+        call = {"name": "calculator", "arguments": {"expression": expr}}
+    else:  # price lookup
+        item = goods[int(rng.integers(len(goods)))]
+        if rng.random() < 0.5:
+            prompt = f"What does one {item} cost?"
+            steps = ["Prices are in the price table."]
+        else:
+            other = goods[int(rng.integers(len(goods)))]
+            prompt = f"{who} likes {item} and {other}, and buys the first one. What does it cost?"
+            steps = [f"The first one is {item}.", "Prices are in the price table."]
+        call = {"name": "lookup", "arguments": {"table": "price", "key": item}}
+    steps.append(f"I will call {call['name']}.")
+    result = call_tool(call)
+    return Task("tool", prompt, tuple(steps), result, json.dumps(call), result)
+
+
+@lru_cache(maxsize=1)
+def held_out_prompts() -> frozenset[str]:
+    """The prompts of the held-out set, which :func:`make_tasks` keeps out of training data."""
+    return frozenset(t.prompt for t in make_tasks(EVAL_TASKS, EVAL_SEED))
+
+
+GENERATORS = {"qa": qa_task, "math": math_task, "code": code_task, "tool": tool_task}
+
+
+def make_tasks(n: int, seed: int, families=FAMILIES, exclude=None) -> list[Task]:
+    """``n`` tasks, the families in turn, reproducible from ``seed``.  Training sets pass the
+    held-out prompts as ``exclude`` (default: the shipped eval set's, when ``seed`` is not
+    the eval seed), so that no eval prompt ever occurs in training data."""
+    if exclude is None:
+        exclude = set() if seed == EVAL_SEED else held_out_prompts()
     rng = np.random.default_rng(seed)
-    return [(arith_task if i % 2 == 0 else reverse_task)(rng) for i in range(n)]
+    out: list[Task] = []
+    while len(out) < n:
+        task = GENERATORS[families[len(out) % len(families)]](rng)
+        if task.prompt not in exclude:
+            out.append(task)
+    return out
 
 
+# ------------------------------------------------------------------ graders (independent of the generators)
 def split_response(text: str) -> tuple[str, str]:
     """(thinking, answer part) of a generated response; thinking is empty without ``</think>``."""
     if THINK_CLOSE not in text:
@@ -106,17 +301,197 @@ def split_response(text: str) -> tuple[str, str]:
     return thinking.replace(THINK_OPEN, "").strip(), answer.strip()
 
 
-def grade(task: dict | Task, text: str) -> bool:
-    """True when the generated ``text`` ends its answer with the task's expected answer."""
-    task = task if isinstance(task, Task) else Task(**{**task, "steps": tuple(task["steps"])})
+def _solve_qa(prompt: str) -> str:
+    people = {m[0]: (int(m[1]), m[2]) for m in re.findall(r"(\w+) is (\d+) years old and lives in (\w+)\.", prompt)}
+    q = prompt.split("Question: ", 1)[1]
+    if m := re.fullmatch(r"How old is (\w+)\?", q):
+        return str(people[m[1]][0])
+    if m := re.fullmatch(r"Where does (\w+) live\?", q):
+        return people[m[1]][1]
+    if m := re.fullmatch(r"Who lives in (\w+)\?", q):
+        return next(p for p, (_, town) in people.items() if town == m[1])
+    if m := re.fullmatch(r"Who is older, (\w+) or (\w+)\?", q):
+        return max(m[1], m[2], key=lambda p: people[p][0])
+    if m := re.fullmatch(r"Who is the (oldest|youngest)\?", q):
+        return (max if m[1] == "oldest" else min)(people, key=lambda p: people[p][0])
+    raise ValueError(f"not a qa question: {q!r}")
+
+
+def _solve_math(prompt: str) -> str:
+    m = re.fullmatch(r"(?:Start at|Begin with) (\d+) and (add|subtract) (\d+), (once|(\d+) times)\.", prompt)
+    n = 1 if m[4] == "once" else int(m[5])
+    return str(int(m[1]) + (1 if m[2] == "add" else -1) * int(m[3]) * n)
+
+
+_CODE_NODES = (ast.Module, ast.Assign, ast.Name, ast.Store, ast.Load, ast.Constant, ast.BinOp, ast.Add, ast.Sub,
+               ast.Mult, ast.For, ast.If, ast.Compare, ast.Gt, ast.Lt, ast.Expr, ast.Call)
+
+
+def _solve_code(prompt: str) -> str:
+    """Runs the task's program (after checking that it only assigns, loops over ``range``,
+    compares, does integer arithmetic and prints) and returns what it printed last."""
+    tree = ast.parse(prompt.split("\n", 1)[1])
+    for node in ast.walk(tree):
+        if not isinstance(node, _CODE_NODES) or (isinstance(node, ast.Constant) and type(node.value) is not int) or (
+                isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in ("range", "print"))):
+            raise ValueError(f"not a code task: {ast.dump(node)[:60]}")
+    printed: list = []
+    exec(compile(tree, "<task>", "exec"), {"__builtins__": {"range": range, "print": printed.append}})  # noqa: S102
+    return str(printed[-1])
+
+
+def _expected_call(prompt: str) -> dict:
+    if m := re.fullmatch(r"A box holds (\d+) (\w+)\. How many \w+ are in (\d+) boxes\?", prompt):
+        return {"name": "calculator", "arguments": {"expression": f"{m[1]} * {m[3]}"}}
+    if m := re.fullmatch(r"A box holds (\d+) (\w+)\. \w+ has (\d+) boxes and (\d+) loose \w+\. How many .*", prompt):
+        return {"name": "calculator", "arguments": {"expression": f"{m[1]} * {m[3]} + {m[4]}"}}
+    if m := re.fullmatch(r"What does one (\w+) cost\?", prompt):
+        return {"name": "lookup", "arguments": {"table": "price", "key": m[1]}}
+    if m := re.fullmatch(r"\w+ likes (\w+) and \w+, and buys the first one\. What does it cost\?", prompt):
+        return {"name": "lookup", "arguments": {"table": "price", "key": m[1]}}
+    raise ValueError(f"not a tool task: {prompt!r}")
+
+
+def expected_answer(task: dict | Task) -> str:
+    """The task's answer, re-derived from its prompt alone (the graders' reference)."""
+    task = task_from_dict(task)
+    if task.family == "tool":
+        return call_tool(_expected_call(task.prompt))
+    return {"qa": _solve_qa, "math": _solve_math, "code": _solve_code}[task.family](task.prompt)
+
+
+def final_answer(text: str) -> str | None:
+    """The ``X`` of the last ``The answer is X.`` after the thinking (and after any tool call)."""
     _, answer = split_response(text)
-    pattern = r"The answer is (.+?)\." if task.family == "arith" else r"The reversed list is: (.+?)\."
-    m = re.search(pattern, answer)
-    return bool(m) and m.group(1).strip() == task.answer
+    answer = answer.rpartition(CALL_CLOSE)[2] if CALL_CLOSE in answer else answer
+    found = ANSWER_RE.findall(answer)
+    return found[-1].strip() if found else None
+
+
+def tool_check(task: dict | Task, text: str) -> dict:
+    """A tool task's transcript (first turn, then the final turn) checked part by part:
+    ``valid_json``, ``right_tool``, ``right_arguments``, ``right_answer``, ``success`` (all four)."""
+    task = task_from_dict(task)
+    want = _expected_call(task.prompt)
+    _, after = split_response(text)
+    call = parse_call(after)
+    out = {"valid_json": call is not None, "right_tool": call is not None and call["name"] == want["name"]}
+    if out["right_tool"] and want["name"] == "calculator":
+        try:
+            right = _calc(str(call["arguments"].get("expression"))) == _calc(want["arguments"]["expression"])
+        except (ValueError, SyntaxError, RecursionError):
+            right = False
+    else:
+        right = out["right_tool"] and call["arguments"] == want["arguments"]
+    out["right_arguments"] = right
+    out["right_answer"] = final_answer(text) == expected_answer(task)
+    out["success"] = all(out.values())
+    return out
+
+
+def grade(task: dict | Task, text: str) -> bool:
+    """True when the response ``text`` is right: its final ``The answer is X.`` matches the
+    answer re-derived from the prompt (tool tasks: the whole transcript, call included, is
+    right — :func:`tool_check`)."""
+    task = task_from_dict(task)
+    if task.family == "tool":
+        return tool_check(task, text)["success"]
+    return final_answer(text) == expected_answer(task)
+
+
+# ------------------------------------------------------------------ running tasks
+def run_tasks(target, tokenizer, tasks, *, drafter=None, max_new_tokens: int = 256, tool_tokens: int = 24,
+              **generate_kw) -> list[dict]:
+    """Runs the tasks end to end with :func:`eagle3_jax.generate` (``generate_kw``: tree,
+    thinking_budget, temperature, …): one call for all first turns; tool tasks whose first
+    turn holds a call get the tool's result as a ``tool`` turn and a second call (at most
+    ``tool_tokens``) for the final answer.  Returns per task ``text`` (the transcript: first
+    turn, then the final turn), ``correct``, ``tokens`` (first-turn ids), ``thinking_tokens``,
+    ``answer_tokens``, ``status`` (thinking status), ``finish_reason`` (``length``: the first
+    turn ran out of ``max_new_tokens``), ``final_tokens`` (the tool tasks' second-turn ids),
+    ``tool`` (:func:`tool_check` or None) and ``stats`` (the first call's, shared)."""
+    from eagle3_jax.decode import encode_chat, generate
+
+    tasks = [task_from_dict(t) for t in tasks]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": t.prompt}]) for t in tasks]
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tokenizer=tokenizer, **generate_kw)
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+    follow = [i for i, t in enumerate(tasks) if t.family == "tool" and parse_call(texts[i])]
+    finals = dict(zip(follow, _tool_turns(target, tokenizer, [tasks[i].prompt for i in follow], [texts[i] for i in follow],
+                                          drafter=drafter, max_new_tokens=tool_tokens, **generate_kw)))
+    out = []
+    for i, t in enumerate(tasks):
+        text = texts[i] + ("\n" + tokenizer.decode(finals[i], skip_special_tokens=True) if i in finals else "")
+        out.append({"family": t.family, "text": text, "correct": grade(t, text), "tokens": res.tokens[i],
+                    "final_tokens": finals.get(i, []), "thinking_tokens": res.thinking_tokens[i],
+                    "answer_tokens": res.answer_tokens[i], "status": res.thinking_status[i],
+                    "finish_reason": res.finish_reason[i],
+                    "tool": tool_check(t, text) if t.family == "tool" else None, "stats": res.stats})
+    return out
+
+
+def _tool_turns(target, tokenizer, prompts: list[str], first_texts: list[str], *, drafter=None, max_new_tokens: int = 24,
+                **generate_kw) -> list[list[int]]:
+    """The final turns (token ids) after first turns holding a tool call: each call is run
+    (:func:`call_tool`) and its result appended as a ``tool`` turn."""
+    from eagle3_jax.decode import encode_chat, generate
+
+    if not prompts:
+        return []
+    second = [encode_chat(tokenizer, [{"role": "user", "content": p}, {"role": "assistant", "content": text},
+                                      {"role": "tool", "content": call_tool(parse_call(text))}])
+              for p, text in zip(prompts, first_texts)]
+    kw = {k: v for k, v in generate_kw.items()
+          if k not in ("thinking_budget", "thinking_mode", "thinking_grace", "tokenizer", "max_new_tokens")}
+    return generate(target, drafter, second, max_new_tokens=max_new_tokens, tokenizer=tokenizer, **kw).tokens
+
+
+def tool_turn(target, tokenizer, prompt: str, first_text: str, **generate_kw) -> tuple[dict, str, str] | None:
+    """``(call, result, final turn text)`` after a first turn ``first_text`` that holds a tool
+    call (None when it holds none): the call is run, its result appended as a ``tool`` turn
+    and the final turn generated (``generate_kw`` as for :func:`eagle3_jax.generate`:
+    drafter, tree, sampling; greedy by default)."""
+    call = parse_call(first_text)
+    if call is None:
+        return None
+    (final,) = _tool_turns(target, tokenizer, [prompt], [first_text], **generate_kw)
+    return call, call_tool(call), tokenizer.decode(final, skip_special_tokens=True)
+
+
+def transcript(target, tokenizer, task: dict | Task, first_text: str, **generate_kw) -> str:
+    """A task's whole response from its first turn ``first_text``: for a tool task whose first
+    turn holds a call, the first turn, a newline and the final turn (:func:`tool_turn`);
+    otherwise ``first_text``."""
+    task = task_from_dict(task)
+    turn = tool_turn(target, tokenizer, task.prompt, first_text, **generate_kw) if task.family == "tool" else None
+    return first_text if turn is None else first_text + "\n" + turn[2]
+
+
+class Scorer:
+    """Scores first-turn tokens of ``tasks`` (as the bench and the experiment produce them):
+    ``grade(i, tokens) -> bool`` and ``details(i, tokens) -> dict`` (:func:`tool_check` for
+    tool tasks, empty otherwise).  Tool tasks get their final turn (:func:`transcript`,
+    greedy, vanilla) once per distinct first turn."""
+
+    def __init__(self, target, tokenizer, tasks: list[dict]):
+        self.target, self.tokenizer, self.tasks = target, tokenizer, tasks
+        self._texts: dict = {}
+
+    def transcript(self, i: int, tokens) -> str:
+        first = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        if (i, first) not in self._texts:
+            self._texts[i, first] = transcript(self.target, self.tokenizer, self.tasks[i], first)
+        return self._texts[i, first]
+
+    def grade(self, i: int, tokens) -> bool:
+        return grade(self.tasks[i], self.transcript(i, tokens))
+
+    def details(self, i: int, tokens) -> dict:
+        return tool_check(self.tasks[i], self.transcript(i, tokens)) if self.tasks[i]["family"] == "tool" else {}
 
 
 def eval_tasks() -> list[dict]:
-    """The shipped held-out evaluation set (task dicts with ``prompt`` and ``answer``)."""
+    """The shipped held-out evaluation set (task dicts with ``family``, ``prompt``, ``answer``)."""
     return json.loads(EVAL_FILE.read_text())
 
 

@@ -136,10 +136,11 @@ def _cmd_generate(args) -> int:
 
     res = timed(drafter)
     out = res.tokens[0]
+    first = None if tok is None else tok.decode(out, skip_special_tokens=True)
     if tok is None:
         print(" ".join(map(str, out)))
     else:
-        thinking, answer = builtin.split_response(tok.decode(out, skip_special_tokens=True))
+        thinking, answer = builtin.split_response(first)
         print(f"Thinking:\n{thinking}\n\nAnswer:\n{answer}" if thinking else answer)
     st = res.stats
     if res.thinking_status[0] != "none":
@@ -147,7 +148,7 @@ def _cmd_generate(args) -> int:
               f"tokens; finish: {res.finish_reason[0]}]")
     if drafter is None:
         print(f"\n[{st['new_tokens']} tokens, {st['tokens_per_second']:.1f} tok/s, vanilla]")
-        return 0
+        return _tool_turn(args, target, drafter, tok, text, first, kw) if is_builtin else 0
     line = f"\n[{st['new_tokens']} tokens; EAGLE-3 {tree_name(tree)}: tau {st['tau']:.2f} over {st['rounds'][0]} rounds, " \
            f"{st['tokens_per_second']:.1f} tok/s"
     if not args.no_compare:
@@ -157,6 +158,21 @@ def _cmd_generate(args) -> int:
         if args.temperature == 0:
             line += f"; identical to vanilla: {base.tokens == res.tokens}"
     print(line + "]")
+    return _tool_turn(args, target, drafter, tok, text, first, kw) if is_builtin else 0
+
+
+def _tool_turn(args, target, drafter, tok, prompt: str | None, first: str | None, kw: dict) -> int:
+    """The built-in pair's tool turn: when the first turn ``first`` holds a tool call, prints
+    the call and the tool's result, then generates (same drafter, tree and sampling as the
+    first turn) and prints the final answer."""
+    from eagle3_jax import builtin
+
+    turn = None if first is None or prompt is None or args.raw else \
+        builtin.tool_turn(target, tok, prompt, first, drafter=drafter, **{k: v for k, v in kw.items() if k != "tokenizer"})
+    if turn is None:
+        return 0
+    call, result, final = turn
+    print(f"\nTool call: {json.dumps(call)}\nTool result: {result}\n\nFinal answer:\n{final.strip()}")
     return 0
 
 
@@ -186,7 +202,7 @@ def _cmd_bench(args) -> int:
     if args.prompts and not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
     target, drafter, tok, is_builtin = _load_pair(args)
-    grade = None
+    grade = categories = None
     if args.prompts:
         try:
             prompts = load_prompts(args.prompts, target.config.vocab_size, tok)
@@ -195,7 +211,7 @@ def _cmd_bench(args) -> int:
     elif is_builtin:
         tasks = builtin.eval_tasks()[: args.num_prompts]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
-        grade = lambda i, toks: builtin.grade(tasks[i], tok.decode(toks, skip_special_tokens=True))  # noqa: E731
+        grade, categories = builtin.Scorer(target, tok, tasks).grade, [t["family"] for t in tasks]
     else:
         import numpy as np
 
@@ -218,7 +234,7 @@ def _cmd_bench(args) -> int:
     parts: dict = {}
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
-                         repeats=args.repeats, grade=grade, parts=parts,
+                         repeats=args.repeats, grade=grade, categories=categories, parts=parts,
                          generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args)})
                for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens]) for t in temperatures]
     doc["reports"] = reports
@@ -259,13 +275,14 @@ def _cmd_experiment(args) -> int:
     target, drafter, tok, is_builtin = _load_pair(args)
     if tok is None:
         raise ValueError(f"--target {args.target}: the experiment needs a tokenizer with <think> and </think>")
-    grade = None
+    grade = categories = details = None
     if args.prompts:
         prompts = load_prompts(args.prompts, target.config.vocab_size, tok)[: args.num_prompts]
     elif is_builtin:
         tasks = builtin.eval_tasks()[: args.num_prompts]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
-        grade = lambda i, toks: builtin.grade(tasks[i], tok.decode(toks, skip_special_tokens=True))  # noqa: E731
+        scorer = builtin.Scorer(target, tok, tasks)
+        grade, details, categories = scorer.grade, scorer.details, [t["family"] for t in tasks]
     else:
         raise ValueError("--prompts is needed with --target")
     kw = {}
@@ -282,7 +299,8 @@ def _cmd_experiment(args) -> int:
         kw.update(replay_rates=tuple(args.replay_rates), replay_requests=args.replay_requests,
                   replay_prompts=[t["prompt"] for t in builtin.eval_tasks()],
                   server_kw=dict(max_batch=8, max_len=min(target.config.max_position_embeddings, 1024)))
-    report = run_experiment(target, drafter, tok, prompts, grade=grade, batch_size=args.batch_size,
+    report = run_experiment(target, drafter, tok, prompts, grade=grade, categories=categories, details=details,
+                            batch_size=args.batch_size,
                             max_new_tokens=args.max_new_tokens, sampled_temperature=args.sampled_temperature or None,
                             seed=args.seed, out_dir=out, **kw)
     print("\n".join(report["summary"]))

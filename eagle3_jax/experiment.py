@@ -11,6 +11,10 @@ speculative budget K does to execution, reported apart.
   loopback server per mode: goodput, TTFT/TPOT percentiles and the rate where speculation
   stops paying (``goodput_vs_rate.png``).
 
+With ``categories`` (e.g. the built-in pair's task families) every figure of steps 1 and 2 is
+also reported per category, each category's prompts run in batches of their own (so τ per
+category is measured, not apportioned).
+
 ``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
 ``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
 over B × K).  Latencies are per request at the given batch size, compilation excluded; TTFT
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_jax.bench import peak_memory
+from eagle3_jax.bench import category_groups, peak_memory
 from eagle3_jax.decode import generate
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
@@ -41,25 +45,48 @@ def _mode_name(mode) -> str:
     return "vanilla" if mode is None else "adaptive" if isinstance(mode, Speculation) else tier_name(mode)
 
 
-def _run(target, drafter, prompts, *, budget, mode, batch_size, max_new_tokens, temperature, seed, tokenizer):
-    """All prompts under one (B, K); per-request latencies and the pooled statistics."""
+def _run(target, drafter, prompts, groups, *, budget, mode, batch_size, max_new_tokens, temperature, seed, tokenizer):
+    """All prompts under one (B, K), each category's in batches of its own: per-request
+    tokens and latencies (in prompt order) and the statistics of each batch (``chunks``:
+    category, prompt indices, stats)."""
     kw = dict(tokenizer=tokenizer, thinking_budget=budget, temperature=temperature, seed=seed)
     if mode is not None:
         kw["speculation"] = mode
     d = None if mode is None else drafter
-    out = {"tokens": [], "thinking": [], "answer": [], "status": [], "ttft": [], "e2e": [], "stats": []}
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        first = generate(target, d, chunk, max_new_tokens=1, **kw)
-        res = generate(target, d, chunk, max_new_tokens=max_new_tokens, **kw)
-        out["tokens"] += res.tokens
-        out["thinking"] += res.thinking_tokens
-        out["answer"] += res.answer_tokens
-        out["status"] += res.thinking_status
-        out["ttft"] += [first.stats["seconds"]] * len(chunk)
-        out["e2e"] += [res.stats["seconds"]] * len(chunk)
-        out["stats"].append(res.stats)
+    n = len(prompts)
+    out = {k: [None] * n for k in ("tokens", "thinking", "answer", "status", "ttft", "e2e")}
+    out["chunks"] = []
+    for cat, idx in groups.items():
+        for j in range(0, len(idx), batch_size):
+            ids = idx[j:j + batch_size]
+            chunk = [prompts[i] for i in ids]
+            first = generate(target, d, chunk, max_new_tokens=1, **kw)
+            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, **kw)
+            for k, i in enumerate(ids):
+                out["tokens"][i], out["thinking"][i] = res.tokens[k], res.thinking_tokens[k]
+                out["answer"][i], out["status"][i] = res.answer_tokens[k], res.thinking_status[k]
+                out["ttft"][i], out["e2e"][i] = first.stats["seconds"], res.stats["seconds"]
+            out["chunks"].append((cat, ids, res.stats))
     return out
+
+
+def _grade(r: dict, grade, details):
+    """Scores each request of a run once: ``correct`` (``grade``) and ``details`` (dicts)."""
+    r["correct"] = None if grade is None else [bool(grade(i, t)) for i, t in enumerate(r["tokens"])]
+    r["details"] = None
+    if details is not None:
+        r["details"] = []
+        for i, t in enumerate(r["tokens"]):
+            d = details(i, t)
+            if not isinstance(d, dict):
+                raise TypeError(f"details({i}, tokens) returned {type(d).__name__}, expected a dict")
+            r["details"].append(d)
+
+
+def _view(r: dict, cat=None) -> tuple[list[int], list[dict]]:
+    """(prompt indices, batch statistics) of one category of a run (``None``: all prompts)."""
+    chunks = [(ids, st) for c, ids, st in r["chunks"] if cat is None or c == cat]
+    return sorted(i for ids, _ in chunks for i in ids), [st for _, st in chunks]
 
 
 def _pool(stats: list[dict], key: str, phase: str | None = None) -> list:
@@ -67,25 +94,39 @@ def _pool(stats: list[dict], key: str, phase: str | None = None) -> list:
     return [a for s in src for row in s[key] for a in row] if key == "accept_lengths" else [s[key] for s in src]
 
 
-def _summary_row(r: dict, grade) -> dict:
-    n = len(r["tokens"])
-    new = sum(map(len, r["tokens"]))
-    seconds = sum(s["seconds"] for s in r["stats"])
-    tpot = [(e - t) / max(len(tok) - 1, 1) for e, t, tok in zip(r["e2e"], r["ttft"], r["tokens"])]
-    acc = None if grade is None else float(np.mean([grade(i, t) for i, t in enumerate(r["tokens"])]))
-    return {
-        "accuracy": acc,
-        "thinking_tokens": float(np.mean(r["thinking"])), "answer_tokens": float(np.mean(r["answer"])),
+def _numeric(v) -> bool:
+    return isinstance(v, (bool, int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def _mean_details(rows: list[dict]) -> dict:
+    """Each numeric or bool value's mean over the requests whose details hold it."""
+    keys = dict.fromkeys(k for d in rows for k, v in d.items() if _numeric(v))
+    return {k: float(np.mean([float(d[k]) for d in rows if _numeric(d.get(k))])) for k in keys}
+
+
+def _summary_row(r: dict, cat=None) -> dict:
+    idx, stats = _view(r, cat)
+    n = len(idx)
+    new = sum(len(r["tokens"][i]) for i in idx)
+    seconds = sum(s["seconds"] for s in stats)
+    tpot = [(r["e2e"][i] - r["ttft"][i]) / max(len(r["tokens"][i]) - 1, 1) for i in idx]
+    status = [r["status"][i] for i in idx]
+    row = {
+        "prompts": n, "accuracy": None if r["correct"] is None else float(np.mean([r["correct"][i] for i in idx])),
+        "thinking_tokens": float(np.mean([r["thinking"][i] for i in idx])),
+        "answer_tokens": float(np.mean([r["answer"][i] for i in idx])),
         "tokens": new, "seconds": seconds, "tokens_per_second": new / seconds if seconds else math.inf,
-        "ttft_ms": 1e3 * float(np.mean(r["ttft"])), "tpot_ms": 1e3 * float(np.mean(tpot)),
-        "e2e_ms": 1e3 * float(np.mean(r["e2e"])),
-        "budget_exhausted_rate": r["status"].count("budget_exhausted") / n,
-        "incomplete_rate": r["status"].count("incomplete") / n,
+        "ttft_ms": 1e3 * float(np.mean([r["ttft"][i] for i in idx])), "tpot_ms": 1e3 * float(np.mean(tpot)),
+        "e2e_ms": 1e3 * float(np.mean([r["e2e"][i] for i in idx])),
+        "budget_exhausted_rate": status.count("budget_exhausted") / n,
+        "incomplete_rate": status.count("incomplete") / n,
     }
+    if r["details"] is not None:
+        row["details"] = _mean_details([r["details"][i] for i in idx])
+    return row
 
 
-def _speculation_row(r: dict) -> dict:
-    stats = r["stats"]
+def _speculation_row(stats: list[dict]) -> dict:
     rounds = sum(sum(s["rounds"]) for s in stats)
     row = {"rounds": rounds, "proposed_per_round": sum(s["proposed"] for s in stats) / max(rounds, 1),
            "accepted": sum(s["accepted"] for s in stats), "committed": sum(s["committed"] for s in stats),
@@ -110,14 +151,21 @@ def _z(p1: float, p2: float, n: int) -> float:
     return 0.0 if se == 0 else (p1 - p2) / se
 
 
-def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(0, 8, 16, 32, 64, 128, None),
-                   chosen=(16, 64, None), tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
+def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categories=None, details=None,
+                   budgets=(0, 8, 16, 32, 64, 128, None), chosen=(16, 64, None),
+                   tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
                    batch_size: int = 1, max_new_tokens: int = 256, sampled_temperature: float | None = 0.7,
                    seed: int = 0, out_dir="experiment", progress: bool = True, replay_prompts=None,
                    replay_rates=(), replay_requests: int = 24, server_kw: dict | None = None) -> dict:
     """Runs the steps and writes the report (see the module doc); returns the report dict.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i`` (accuracy; ``None``: not reported);
+    ``categories[i]``: prompt ``i``'s category (e.g. a task family): each category's prompts
+    run in batches of their own, and every figure of steps 1 and 2 is also reported per
+    category (``report["step1"][B]["by_category"][c]``, ``report["step2"][B][mode]["by_category"][c]``);
+    ``details(i, tokens) -> dict``: further per-request figures (e.g. a tool call's JSON
+    validity), each numeric or bool value averaged over the requests that report it
+    (``row["details"]``, overall and per category);
     ``chosen``: the budgets of step 2; ``tiers``: the static tiers (the adaptive policy runs
     over them plus no drafting); ``sampled_temperature``: also compare sampled accuracy of
     each mode with vanilla at that temperature (``None``: greedy only).  Step 3 runs when
@@ -126,6 +174,8 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(
     """
     from tqdm import tqdm
 
+    groups = category_groups(len(prompts), categories)
+    cats = [] if categories is None else list(groups)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     modes = [None, *tiers, Speculation((None, *tiers))]
@@ -137,27 +187,38 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, budgets=(
         key = (b, _mode_name(mode), temp)
         bar.set_postfix_str(f"B={_label(b)} {_mode_name(mode)} T={temp}")
         if key not in results:
-            results[key] = _run(target, drafter, prompts, budget=b, mode=mode, batch_size=batch_size,
+            results[key] = _run(target, drafter, prompts, groups, budget=b, mode=mode, batch_size=batch_size,
                                 max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
-    summaries = {key: _summary_row(r, grade) for key, r in results.items()}  # each run graded once
+            _grade(results[key], grade, details)  # each run graded once
+    summaries = {key: {c: _summary_row(r, c) for c in [None, *cats]} for key, r in results.items()}
+
+    def with_categories(rows: dict) -> dict:  # the overall row, and the categories' under by_category
+        return {**rows[None], **({"by_category": {c: rows[c] for c in cats}} if cats else {})}
+
     report = {"settings": {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                            "budgets": [_label(b) for b in budgets], "chosen": [_label(b) for b in chosen],
-                           "tiers": [tier_name(t) for t in tiers], "sampled_temperature": sampled_temperature},
-              "step1": {_label(b): summaries[(b, "vanilla", 0.0)] for b in budgets}, "step2": {}}
+                           "tiers": [tier_name(t) for t in tiers], "sampled_temperature": sampled_temperature,
+                           **({"categories": {c: len(groups[c]) for c in cats}} if cats else {})},
+              "step1": {_label(b): with_categories(summaries[(b, "vanilla", 0.0)]) for b in budgets}, "step2": {}}
     for b in chosen:
-        base = summaries[(b, "vanilla", 0.0)]
+        base = results[(b, "vanilla", 0.0)]
         rows = {}
         for mode in modes:
             name = _mode_name(mode)
             r = results[(b, name, 0.0)]
-            row = {**summaries[(b, name, 0.0)], "identical_to_vanilla": r["tokens"] == results[(b, "vanilla", 0.0)]["tokens"]}
-            if mode is not None:
-                row.update(_speculation_row(r))
-            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
-            if sampled_temperature and grade is not None:
-                sv, sm = (summaries[(b, n, sampled_temperature)]["accuracy"] for n in ("vanilla", name))
-                row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, _z(sm, sv, len(prompts))
-            rows[name] = row
+            per = {}
+            for c in [None, *cats]:
+                idx, stats = _view(r, c)
+                row = {**summaries[(b, name, 0.0)][c],
+                       "identical_to_vanilla": all(r["tokens"][i] == base["tokens"][i] for i in idx)}
+                if mode is not None:
+                    row.update(_speculation_row(stats))
+                row["speedup"] = row["tokens_per_second"] / summaries[(b, "vanilla", 0.0)][c]["tokens_per_second"]
+                if sampled_temperature and grade is not None:
+                    sv, sm = (summaries[(b, n, sampled_temperature)][c]["accuracy"] for n in ("vanilla", name))
+                    row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, _z(sm, sv, len(idx))
+                per[c] = row
+            rows[name] = with_categories(per)
         report["step2"][_label(b)] = rows
     report["peak_memory"] = peak_memory()
     report["summary"] = _attribution(report)
@@ -202,26 +263,69 @@ def _fmt(v, spec=".3f"):
     return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+_STEP1_HEAD = "| accuracy | thinking tok | answer tok | TTFT ms | TPOT ms | e2e ms | exhausted | incomplete |"
+_STEP2_HEAD = ("| tok/s | speedup | TPOT ms | τ | τ thinking / answer | proposed / round | accuracy | identical | "
+               "sampled accuracy (z) |")
+
+
+def _head(first: str, cells: str) -> list[str]:
+    line = first + cells
+    return [line, "|" + " --- |" * (line.count("|") - 1)]
+
+
+def _step1_cells(r: dict) -> str:
+    return (f"| {_fmt(r['accuracy'])} | {r['thinking_tokens']:.1f} | {r['answer_tokens']:.1f} | {r['ttft_ms']:.2f} | "
+            f"{r['tpot_ms']:.3f} | {r['e2e_ms']:.1f} | {r['budget_exhausted_rate']:.2f} | {r['incomplete_rate']:.2f} |")
+
+
+def _step2_cells(r: dict) -> str:
+    phases = f"{_fmt(r.get('tau_thinking'), '.2f')} / {_fmt(r.get('tau_answer'), '.2f')}"
+    sampled = "—" if "sampled_accuracy" not in r else f"{r['sampled_accuracy']:.3f} ({r['sampled_accuracy_z']:+.2f})"
+    return (f"| {r['tokens_per_second']:.1f} | {r['speedup']:.2f}× | {r['tpot_ms']:.3f} | {_fmt(r.get('tau'), '.2f')} | "
+            f"{phases} | {_fmt(r.get('proposed_per_round'), '.1f')} | {_fmt(r['accuracy'])} | "
+            f"{r['identical_to_vanilla']} | {sampled} |")
+
+
+def _category_step1(report: dict) -> list[str]:
+    s1, cats = report["step1"], report["settings"]["categories"]
+    md = ["### Step 1 per category", "", "Accuracy by category and B:", "",
+          "| category (prompts) | " + " | ".join(f"B={b}" for b in s1) + " |", "|" + " --- |" * (len(s1) + 1)]
+    for c, n in cats.items():
+        md.append(f"| {c} ({n}) | " + " | ".join(_fmt(r["by_category"][c]["accuracy"]) for r in s1.values()) + " |")
+    md.append("| all | " + " | ".join(_fmt(r["accuracy"]) for r in s1.values()) + " |")
+    md += ["", *_head("| category | B ", _STEP1_HEAD)]
+    for c in cats:
+        md += [f"| {c} | {b} " + _step1_cells(r["by_category"][c]) for b, r in s1.items()]
+    return md
+
+
+def _details_table(report: dict) -> list[str]:
+    s1, cats = report["step1"], list(report["settings"].get("categories", {}))
+    rows = [(c, b, (r if c is None else r["by_category"][c]).get("details", {})) for c in [*cats, None] for b, r in s1.items()]
+    keys = list(dict.fromkeys(k for _, _, d in rows for k in d))
+    if not keys:
+        return []
+    md = ["Per-request details, speculation off (each the mean over the requests that report it):", "",
+          "| category | B | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
+    return md + [f"| {'all' if c is None else c} | {b} | " + " | ".join(_fmt(d.get(k)) for k in keys) + " |"
+                 for c, b, d in rows if d]
+
+
 def _markdown(report: dict) -> str:
+    categorized = "categories" in report["settings"]
     md = ["# Two-budget experiment", "", "## Summary", "", *[f"- {line}" for line in report["summary"]], "",
-          "## Step 1: thinking budget B, speculation off", "",
-          "| B | accuracy | thinking tok | answer tok | TTFT ms | TPOT ms | e2e ms | exhausted | incomplete |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for b, r in report["step1"].items():
-        md.append(f"| {b} | {_fmt(r['accuracy'])} | {r['thinking_tokens']:.1f} | {r['answer_tokens']:.1f} | "
-                  f"{r['ttft_ms']:.2f} | {r['tpot_ms']:.3f} | {r['e2e_ms']:.1f} | {r['budget_exhausted_rate']:.2f} | "
-                  f"{r['incomplete_rate']:.2f} |")
-    md += ["", "## Step 2: speculative budget K at each chosen B (greedy)", "",
-           "| B | mode | tok/s | speedup | TPOT ms | τ | τ thinking / answer | proposed / round | identical | "
-           "sampled accuracy (z) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for b, rows in report["step2"].items():
-        for name, r in rows.items():
-            tau = _fmt(r.get("tau"), ".2f")
-            phases = f"{_fmt(r.get('tau_thinking'), '.2f')} / {_fmt(r.get('tau_answer'), '.2f')}"
-            sampled = "—" if "sampled_accuracy" not in r else f"{r['sampled_accuracy']:.3f} ({r['sampled_accuracy_z']:+.2f})"
-            md.append(f"| {b} | {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}× | {r['tpot_ms']:.3f} | "
-                      f"{tau} | {phases} | {_fmt(r.get('proposed_per_round'), '.1f')} | {r['identical_to_vanilla']} | "
-                      f"{sampled} |")
+          "## Step 1: thinking budget B, speculation off", "", *_head("| B ", _STEP1_HEAD)]
+    md += [f"| {b} " + _step1_cells(r) for b, r in report["step1"].items()]
+    if categorized:
+        md += ["", *_category_step1(report)]
+    if details := _details_table(report):
+        md += ["", *details]
+    md += ["", "## Step 2: speculative budget K at each chosen B (greedy)", "", *_head("| B | mode ", _STEP2_HEAD)]
+    md += [f"| {b} | {name} " + _step2_cells(r) for b, rows in report["step2"].items() for name, r in rows.items()]
+    if categorized:
+        md += ["", "### Step 2 per category", "", *_head("| category | B | mode ", _STEP2_HEAD)]
+        md += [f"| {c} | {b} | {name} " + _step2_cells(r["by_category"][c])
+               for c in report["settings"]["categories"] for b, rows in report["step2"].items() for name, r in rows.items()]
     mem = report["peak_memory"]
     md += ["", f"Peak memory: {mem['bytes'] / 2 ** 30:.2f} GiB ({mem['source']}).", ""]
     if "step3" in report:
@@ -243,8 +347,14 @@ def _figures(report: dict, out_dir: Path):
     x = range(len(labels))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     series = [("accuracy", "accuracy"), ("thinking_tokens", "thinking tokens / request"), ("e2e_ms", "latency ms / request")]
+    cats = list(report["settings"].get("categories", {}))
     for ax, (key, title) in zip(axes, series):
-        ax.plot(x, [np.nan if s1[b][key] is None else s1[b][key] for b in labels], marker="o")
+        for c in [None, *cats]:  # overall, then one thinner line per category
+            rows = [s1[b] if c is None else s1[b]["by_category"][c] for b in labels]
+            ax.plot(x, [np.nan if r[key] is None else r[key] for r in rows], marker="o", lw=2.5 if c is None else 1,
+                    label="all" if c is None else c)
+        if cats:
+            ax.legend(fontsize=8)
         ax.set_xticks(list(x), labels)
         ax.set_xlabel("thinking budget B")
         ax.set_title(title)

@@ -19,22 +19,83 @@ from eagle3_jax.decode import encode_chat
 from eagle3_jax.models.target import Target
 
 
-def test_tasks_are_reproducible_correct_and_graded():
-    tasks = builtin.make_tasks(40, seed=3)
-    assert tasks == builtin.make_tasks(40, seed=3) and tasks != builtin.make_tasks(40, seed=4)
+def _hand(family, prompt):  # a hand-written task: the grader gets no answer, only the prompt
+    return {"family": family, "prompt": prompt, "steps": [], "answer": ""}
+
+
+QA = _hand("qa", "Facts: Kamo is 12 years old and lives in Tirel. Bosu is 31 years old and lives in Zan. "
+                 "Question: Who is older, Kamo or Bosu?")
+MATH = _hand("math", "Start at 40 and subtract 6, 5 times.")
+CODE = _hand("code", "What does this program print?\nx = 20\ny = 3\nfor i in range(4):\n    x = x - y\n"
+                     "if x < 10:\n    x = x - 5\nelse:\n    x = x + 5\nprint(x)")
+TOOL = _hand("tool", "A box holds 12 kamo. How many kamo are in 30 boxes?")
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
+@pytest.mark.parametrize("task, right, wrong", [
+    (QA, "<think>\nKamo is 12.\n</think>\nThe answer is Bosu.", ["The answer is Kamo.", "Bosu.", "The answer is Zan."]),
+    (MATH, "<think>\nStep 1: 40 - 6 = 34.\n</think>\nThe answer is 10.",
+     ["The answer is 70.", "<think>\nThe answer is 10.\n</think>\n", "The answer is 10"]),
+    (CODE, "<think>\nx = 20 and y = 3.\n</think>\nThe answer is 3.", ["The answer is 8.", "The answer is 13."]),
+    (TOOL, "<think>\nThat is 12 * 30.\n</think>\n" + CALL % "12 * 30" + "\nThe answer is 360.",
+     ["<think>\n</think>\nThe answer is 360.",                               # no call at all
+      CALL.replace("}}<", "}<") % "12 * 30" + "\nThe answer is 360.",         # invalid JSON
+      CALL.replace("calculator", "lookup") % "12 * 30" + "\nThe answer is 360.",  # wrong tool
+      CALL % "12 * 31" + "\nThe answer is 360.",                               # wrong arguments
+      CALL % "12 * 30" + "\nThe answer is 372."]),                             # wrong final answer
+])
+def test_graders_check_hand_written_answers(task, right, wrong):
+    assert builtin.grade(task, right)
+    for text in wrong:
+        assert not builtin.grade(task, text), text
+
+
+def test_tool_check_parts_and_tools():
+    check = builtin.tool_check(TOOL, CALL % "30 * 12" + "\nThe answer is 360.")  # any equivalent expression
+    assert check == {"valid_json": True, "right_tool": True, "right_arguments": True, "right_answer": True, "success": True}
+    check = builtin.tool_check(TOOL, CALL % "12 * 31" + "\nThe answer is 372.")
+    assert check["valid_json"] and check["right_tool"] and not check["right_arguments"] and not check["success"]
+    assert builtin.call_tool({"name": "calculator", "arguments": {"expression": "12 * 30 + 4"}}) == "364"
+    key, price = next(iter(builtin.price_table().items()))
+    assert builtin.call_tool({"name": "lookup", "arguments": {"table": "price", "key": key}}) == str(price)
+    for bad in ({"name": "calculator", "arguments": {"expression": "__import__('os')"}},
+                {"name": "calculator", "arguments": {}}, {"name": "lookup", "arguments": {"table": "age", "key": key}},
+                {"name": "lookup", "arguments": {"table": "price", "key": "nothing"}}, {"name": "shell", "arguments": {}}):
+        assert builtin.call_tool(bad).startswith("error: ")
+    assert builtin.parse_call("no call") is None and builtin.parse_call("<tool_call>[1]</tool_call>") is None
+
+
+def test_tasks_are_reproducible_answered_right_and_short_and_long():
+    tasks = builtin.make_tasks(400, seed=3)
+    assert tasks == builtin.make_tasks(400, seed=3) and tasks != builtin.make_tasks(400, seed=4)
+    for fam in builtin.FAMILIES:
+        mine = [t for t in tasks if t.family == fam]
+        assert len(mine) == 100
+        lengths = [len(t.steps) for t in mine]
+        short, long = {"qa": (1, 4), "math": (1, 10), "code": (3, 10), "tool": (2, 4)}[fam]  # thinking lines
+        assert min(lengths) == short and max(lengths) >= long, (fam, lengths)
     for t in tasks:
-        if t.family == "arith":  # the answer, computed independently from the prompt's words
-            start, op, d, n = re.search(r"(\d+) and (add|subtract) (\d), (\d) times", t.prompt).groups()
-            assert int(t.answer) == int(start) + (1 if op == "add" else -1) * int(d) * int(n) >= 0
-        else:
-            items = t.prompt.split(": ", 1)[1].rstrip(".").split(", ")
-            assert t.answer.split(", ") == items[::-1]
-        assert builtin.grade(t, t.response())
-        assert builtin.grade(dataclass_dict(t), t.response(think_lines=1))  # the answer line decides
-        assert not builtin.grade(t, t.response().replace(t.final_line(), "The answer is 1000."))
-        assert not builtin.grade(t, t.response().split(builtin.THINK_CLOSE)[0])  # no answer at all
-    thinking, answer = builtin.split_response(tasks[0].response())
-    assert thinking.startswith("Step 1: ") and answer == tasks[0].final_line()
+        assert t.answer == builtin.expected_answer(t)  # the generator agrees with the independent solver
+        whole = t.response() + ("\n" + t.final_line() if t.family == "tool" else "")
+        assert builtin.grade(t, whole) and builtin.grade(dataclass_dict(t), whole)
+        assert builtin.grade(t, whole.replace(t.steps[-1], ""))  # the answer decides, not the thinking
+    thinking, answer = builtin.split_response(tasks[1].response())
+    assert thinking.startswith("Step 1: ") and answer == tasks[1].final_line()
+    assert [m["role"] for m in tasks[3].messages()] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_eval_tasks_never_occur_in_training_data():
+    from eagle3_jax.train import builtin as recipe_mod
+
+    shipped = builtin.eval_tasks()
+    assert shipped == [dataclass_dict(t) for t in builtin.make_tasks(builtin.EVAL_TASKS, builtin.EVAL_SEED)]
+    assert all(sum(t["family"] == f for t in shipped) >= 50 for f in builtin.FAMILIES)
+    held = {t["prompt"] for t in shipped}
+    r = recipe_mod.Recipe()
+    trained = [c[0]["content"] for n, seed in ((r.target_tasks, r.seed), (r.drafter_conversations, r.seed + 2),
+                                               (20_000, r.seed + 1))  # target, drafter, tokenizer corpus
+               for c, _ in recipe_mod.training_text(n, seed)]
+    assert len(trained) == r.target_tasks + r.drafter_conversations + 20_000 and not held & set(trained)
 
 
 def dataclass_dict(task):
@@ -98,12 +159,6 @@ def test_shipped_pair_files_and_formats():
         names = set(f.keys())
         assert f.get_tensor("d2t").dtype == np.int64 and f.get_tensor("t2d").dtype == bool
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
-    tasks = builtin.eval_tasks()
-    assert len(tasks) >= 32 and {t["family"] for t in tasks} == set(builtin.FAMILIES)
-    # held out by seed; the reverse family's space is vast, so none of its prompts was trained on
-    # (the arith space is ~11k prompts, so some arith eval prompts also occur in the training data)
-    train_prompts = {t.prompt for t in builtin.make_tasks(4000, 0)}
-    assert not any(t["prompt"] in train_prompts for t in tasks if t["family"] == "reverse")
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +181,12 @@ def test_shipped_target_matches_transformers(pair):
 
 def test_shipped_pair_greedy_matches_vanilla(pair):
     target, drafter, tok = pair
-    tasks = builtin.eval_tasks()[:4]
-    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
-    base = eagle3_jax.generate(target, None, prompts, max_new_tokens=64)
-    fast = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=64, tree=eagle3_jax.TreeConfig.chain(6))
-    assert fast.tokens == base.tokens
-    assert fast.stats["tau"] > 2.0  # a trained drafter, not a random one (random: τ ≈ 1)
-    assert all(tok.decode(t).startswith(builtin.THINK_OPEN) for t in base.tokens)
+    tasks = builtin.eval_tasks()[:4]  # one per family
+    base = builtin.run_tasks(target, tok, tasks, max_new_tokens=64)
+    fast = builtin.run_tasks(target, tok, tasks, drafter=drafter, max_new_tokens=64, tree=eagle3_jax.TreeConfig.chain(6))
+    assert [(o["tokens"], o["final_tokens"]) for o in fast] == [(o["tokens"], o["final_tokens"]) for o in base]
+    assert fast[0]["stats"]["tau"] > 2.0  # a trained drafter, not a random one (random: τ ≈ 1)
+    assert all(tok.decode(o["tokens"]).startswith(builtin.THINK_OPEN) for o in base)
 
 
 def test_main_job_answers_a_prompt(capsys):
@@ -168,7 +222,7 @@ def test_recipe_runs_end_to_end_scaled_down(tmp_path):
 
     recipe = recipe_mod.Recipe(vocab_size=512, hidden_size=64, num_layers=8, intermediate_size=128, num_heads=2,
                                num_kv_heads=1, target_tasks=300, target_steps=3, warmup_steps=1, seq_len=64, drafter_conversations=16,
-                               eval_tasks=2, budgets=(0,))
+                               eval_tasks=4, budgets=(0,))
     work = tmp_path / "work"
     work.mkdir()
     tok = recipe_mod.build_tokenizer(work, recipe)
@@ -181,5 +235,7 @@ def test_recipe_runs_end_to_end_scaled_down(tmp_path):
     drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
     tasks = recipe_mod.write_eval_set(work / "eval.json", recipe)
     metrics = recipe_mod.evaluate(target, drafter, tok, tasks, recipe.budgets, max_new_tokens=16, trees=("chain4",))
-    assert set(metrics["accuracy_by_thinking_budget"]) == {"0", "unlimited"}
+    assert set(metrics["by_thinking_budget"]) == {"0", "unlimited"}
+    assert set(metrics["by_thinking_budget"]["0"]) == {*builtin.FAMILIES, "all"}
+    assert set(metrics["greedy"]["chain4"]["tau"]) == set(builtin.FAMILIES)
     assert all(v["identical_to_vanilla"] for v in metrics["greedy"].values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from eagle3_jax import builtin
 from eagle3_jax.cli import main
 
 
@@ -26,8 +27,12 @@ def test_experiment_writes_the_report(tmp_path, capsys):
     assert "sampled_accuracy_z" in rows["chain4"]
     assert len(report["summary"]) == 1 and "Budget B=8 reduced target tokens by" in report["summary"][0]
     assert "EAGLE-3" in report["summary"][0]
+    families = [t["family"] for t in builtin.eval_tasks()[:2]]  # every figure per family too
+    assert list(report["settings"]["categories"]) == list(dict.fromkeys(families))
+    assert set(s1["0"]["by_category"]) == set(rows["chain4"]["by_category"]) == set(families)
     md = (out / "report.md").read_text()
     assert "## Step 1" in md and "## Step 2" in md and "step3" not in report
+    assert "### Step 1 per category" in md and "### Step 2 per category" in md
     for png in ("quality_tokens_latency.png", "budget_heatmap.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "Budget B=8" in capsys.readouterr().out

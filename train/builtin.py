@@ -43,17 +43,17 @@ class Recipe:
     num_heads: int = 2
     num_kv_heads: int = 1
     max_position_embeddings: int = 512
-    target_tasks: int = 40_000       # generated training tasks (the stream is sampled from them)
-    cut_fraction: float = 0.2        # share of examples whose thinking is cut short
-    target_steps: int = 1600
-    target_batch: int = 16
-    seq_len: int = 128
+    target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
+    cut_fraction: float = 0.15       # share of examples whose thinking is cut short
+    target_steps: int = 6500
+    target_batch: int = 8
+    seq_len: int = 288
     target_lr: float = 3e-3
     warmup_steps: int = 100
     decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
     drafter_conversations: int = 4000
-    eval_tasks: int = 64
-    budgets: tuple[int, ...] = (0, 8, 16, 32, 64)  # thinking tokens allowed (plus unlimited)
+    eval_tasks: int = 200
+    budgets: tuple[int, ...] = (0, 16, 64)  # thinking tokens allowed (plus unlimited)
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -64,20 +64,27 @@ def build_tokenizer(work: Path, recipe: Recipe):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(work / "tokenizer"), local_files_only=True)
-    tasks = builtin.make_tasks(20_000, recipe.seed + 1)
-    corpus = [f"{t.prompt} {t.response()}".replace(builtin.THINK_OPEN, "").replace(builtin.THINK_CLOSE, "") for t in tasks]
+    tags = (builtin.THINK_OPEN, builtin.THINK_CLOSE, builtin.CALL_OPEN, builtin.CALL_CLOSE)
+    corpus = []
+    for t in builtin.make_tasks(20_000, recipe.seed + 1):
+        text = " ".join(m["content"] for m in t.messages())
+        for tag in tags:
+            text = text.replace(tag, "")
+        corpus.append(text)
     corpus += [" ".join(builtin.lexicon()[i:i + 10]) for i in range(0, len(builtin.lexicon()), 10)]
-    return bpe(work / "tokenizer", corpus, recipe.vocab_size, added_tokens=(builtin.THINK_OPEN, builtin.THINK_CLOSE))
+    return bpe(work / "tokenizer", corpus, recipe.vocab_size, added_tokens=tags, split_digits=True,
+               roles=("user", "assistant", "system", "tool"))
 
 
-def training_text(n: int, seed: int, cut_fraction: float = 0.0) -> list[list[dict]]:
-    """Chat conversations for ``n`` tasks; ``cut_fraction`` of them think only part of the way."""
+def training_text(n: int, seed: int, cut_fraction: float = 0.0) -> list[tuple[list[dict], bool]]:
+    """Chat conversations for ``n`` tasks, each with whether its thinking was cut short
+    (``cut_fraction`` of them think only part of the way)."""
     rng = np.random.default_rng(seed + 7)
-    convs = []
+    out = []
     for task in builtin.make_tasks(n, seed):
         cut = int(rng.integers(0, len(task.steps))) if rng.random() < cut_fraction else None
-        convs.append([{"role": "user", "content": task.prompt}, {"role": "assistant", "content": task.response(cut)}])
-    return convs
+        out.append((task.messages(cut), cut is not None))
+    return out
 
 
 # ------------------------------------------------------------------ target
@@ -92,11 +99,17 @@ def target_config(recipe: Recipe, tok):
         eos_token_id=[tok.eos_token_id]), source="recipe")
 
 
-def lm_stream(convs, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All conversations back to back: ``(ids, loss_mask, example_starts)``."""
+def lm_stream(examples, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All conversations back to back: ``(ids, loss_mask, example_starts)``.  In a cut-short
+    example the ``</think>`` is what a thinking budget forces, not what the model should
+    say, so it carries no loss: the model learns to answer after it, never to stop early."""
     from eagle3_jax.train.data import tokenize
 
-    pairs = [tokenize(tok, c) for c in tqdm(convs, desc="tokenize")]
+    close = tok.convert_tokens_to_ids(builtin.THINK_CLOSE)
+    pairs = []
+    for conv, cut in tqdm(examples, desc="tokenize"):
+        ids, mask = tokenize(tok, conv)
+        pairs.append((ids, mask & (ids != close) if cut else mask))
     starts = np.cumsum([0] + [len(i) for i, _ in pairs[:-1]])
     return np.concatenate([i for i, _ in pairs]), np.concatenate([m for _, m in pairs]), starts
 
@@ -177,8 +190,8 @@ def train_drafter(work: Path, recipe: Recipe, overrides=()):
 
     data = work / "drafter_conversations.jsonl"
     with open(data, "w") as f:
-        for conv in training_text(recipe.drafter_conversations, recipe.seed + 2):
-            f.write(json.dumps({"conversations": conv}) + "\n")
+        for conv, _ in training_text(recipe.drafter_conversations, recipe.seed + 2):
+            f.write(json.dumps({"conversations": conv[:2]}) + "\n")  # the first turn (tool results are not the target's)
     cfg = pipeline.load_config(ROOT / "configs" / "builtin.yaml", [
         f"target={work / 'target'}", f"data={data}", f"work_dir={work / 'drafter_run'}",
         f"export_dir={work / 'drafter'}", *overrides])
@@ -186,49 +199,74 @@ def train_drafter(work: Path, recipe: Recipe, overrides=()):
 
 
 # ------------------------------------------------------------------ evaluation
-def answer_with_budget(target, tok, tasks: list[dict], budget: int | None, max_new_tokens: int = 256,
-                       drafter=None, tree=None) -> list[str]:
-    """Greedy responses when thinking may use at most ``budget`` tokens after ``<think>\n``
-    (None: unlimited): at the budget the decode loop commits the end of thinking and the model
-    answers from what it has (``eagle3_jax.generate(thinking_budget=...)``, hard mode).  The
-    loop also counts the newline this format always writes after ``<think>``, hence ``+ 1``:
-    the recipe's figures keep their meaning across versions."""
-    from eagle3_jax.decode import encode_chat, generate
-
-    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
-    kw = {} if tree is None else {"tree": tree}
-    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tokenizer=tok,
-                   thinking_budget=None if budget is None else budget + 1, **kw)
-    return [tok.decode(t) for t in res.tokens]
-
-
 EVAL_TREES = ("chain4", "chain6", "16,4,4")
 
 
-def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256, trees=EVAL_TREES) -> dict:
-    """Accuracy per thinking budget (vanilla greedy), and greedy τ / identity with the drafter."""
-    import eagle3_jax
-    from eagle3_jax.bench import parse_tree
-    from eagle3_jax.decode import encode_chat
+def _family_rows(outcomes: list[dict]) -> dict:
+    """Accuracy, mean thinking / answer tokens and the timeout rate, per family and overall."""
+    rows = {}
+    for fam in [*builtin.FAMILIES, "all"]:
+        sel = [o for o in outcomes if fam in ("all", o["family"])]
+        if sel:
+            rows[fam] = {"accuracy": float(np.mean([o["correct"] for o in sel])),
+                         "thinking_tokens": float(np.mean([o["thinking_tokens"] for o in sel])),
+                         "answer_tokens": float(np.mean([o["answer_tokens"] for o in sel])),
+                         "timeout_rate": float(np.mean([o["finish_reason"] == "length" for o in sel])), "n": len(sel)}
+    return rows
 
-    acc = {}
+
+def _tool_rows(outcomes: list[dict]) -> dict:
+    checks = [o["tool"] for o in outcomes if o["tool"] is not None]
+    return {k: float(np.mean([c[k] for c in checks])) for k in checks[0]} if checks else {}
+
+
+def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256, trees=EVAL_TREES) -> dict:
+    """On the held-out tasks (:func:`eagle3_jax.builtin.run_tasks`, tool turns included):
+    per family × thinking budget B, accuracy, thinking / answer tokens and timeouts (vanilla
+    greedy); the tool calls' checks at unlimited B; per family × tree, greedy τ and token
+    identity with vanilla (both turns)."""
+    from eagle3_jax.bench import parse_tree
+
+    by_family = {f: [t for t in tasks if t["family"] == f] for f in builtin.FAMILIES}
+    by_budget, vanilla = {}, {}
     for b in [*budgets, None]:
-        texts = answer_with_budget(target, tok, tasks, b, max_new_tokens)
-        acc["unlimited" if b is None else str(b)] = float(np.mean([builtin.grade(t, x) for t, x in zip(tasks, texts)]))
-    prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
-    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=max_new_tokens)
+        # ``+ 1``: generate() counts the newline this format always writes after ``<think>``
+        kw = {} if b is None else {"thinking_budget": b + 1}
+        outs = [o for f in builtin.FAMILIES
+                for o in builtin.run_tasks(target, tok, by_family[f], max_new_tokens=max_new_tokens, **kw)]
+        by_budget["unlimited" if b is None else str(b)] = _family_rows(outs)
+        if b is None:
+            vanilla = {f: [o for o in outs if o["family"] == f] for f in builtin.FAMILIES}
     taus = {}
     for name in trees:
-        res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=max_new_tokens, tree=parse_tree(name))
-        taus[name] = {
-            "tau": res.stats["tau"], "identical_to_vanilla": res.tokens == vanilla.tokens}
-    return {"accuracy_by_thinking_budget": acc, "greedy": taus}
+        row, same = {}, True
+        for f in builtin.FAMILIES:
+            outs = builtin.run_tasks(target, tok, by_family[f], drafter=drafter, tree=parse_tree(name),
+                                     max_new_tokens=max_new_tokens)
+            row[f] = outs[0]["stats"]["tau"]
+            same &= all((o["tokens"], o["final_tokens"]) == (v["tokens"], v["final_tokens"])
+                        for o, v in zip(outs, vanilla[f]))
+        taus[name] = {"tau": row, "identical_to_vanilla": same}
+    return {"by_thinking_budget": by_budget, "tool_calls": _tool_rows([o for v in vanilla.values() for o in v]),
+            "greedy": taus}
 
 
 def write_eval_set(path: Path, recipe: Recipe):
     tasks = [dataclasses.asdict(t) for t in builtin.make_tasks(recipe.eval_tasks, builtin.EVAL_SEED)]
     path.write_text(json.dumps(tasks, indent=1) + "\n")
     return tasks
+
+
+def _timed(work: Path, stage: str, fn):
+    """Runs ``fn`` and adds its wall-clock seconds to ``work/stages.json`` (kept across resumes)."""
+    path = work / "stages.json"
+    times = json.loads(path.read_text()) if path.exists() else {}
+    start = time.time()
+    out = fn()
+    times[stage] = times.get(stage, 0.0) + time.time() - start
+    path.write_text(json.dumps(times, indent=1) + "\n")
+    print(f"{stage}: {times[stage]:.0f} s")
+    return out
 
 
 def main(argv=None):
@@ -242,23 +280,21 @@ def main(argv=None):
     recipe = Recipe(target_steps=args.target_steps)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    start = time.time()
     tok = build_tokenizer(work, recipe)
     if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
-        export_target(train_target(work, recipe, tok), tok, work / "target")
-        print(f"target trained: {time.time() - start:.0f} s")
+        _timed(work, "target", lambda: export_target(train_target(work, recipe, tok), tok, work / "target"))
     if args.stage in ("all", "drafter") and not (work / "drafter" / "config.json").exists():
-        train_drafter(work, recipe, args.overrides)
-        print(f"drafter trained: {time.time() - start:.0f} s")
+        _timed(work, "drafter", lambda: train_drafter(work, recipe, args.overrides))
     if args.stage in ("all", "eval"):
         import eagle3_jax
 
         tasks = write_eval_set(work / "eval.json", recipe)
         target = eagle3_jax.load_target(work / "target", dtype="float32")
         drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
-        metrics = evaluate(target, drafter, tok, tasks, recipe.budgets)
+        metrics = _timed(work, "eval", lambda: evaluate(target, drafter, tok, tasks, recipe.budgets))
         best = json.loads((work / "drafter_run" / "best.json").read_text())
-        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=best, seconds=time.time() - start)
+        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=best,
+                       stage_seconds=json.loads((work / "stages.json").read_text()))
         (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print(json.dumps(metrics, indent=2))
         out = Path(args.out)

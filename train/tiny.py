@@ -31,16 +31,20 @@ def arithmetic_conversations(n: int, seed: int = 0) -> list[dict]:
     return convs
 
 
-def build_tokenizer(directory: Path, corpus: list[str], vocab_size: int = 1024, added_tokens: tuple[str, ...] = ()):
+def build_tokenizer(directory: Path, corpus: list[str], vocab_size: int = 1024, added_tokens: tuple[str, ...] = (),
+                    split_digits: bool = False, roles: tuple[str, ...] = ("user", "assistant", "system")):
     """A byte-level BPE tokenizer trained offline on ``corpus`` to ``vocab_size``, with the chat
-    template; ``added_tokens`` (e.g. ``<think>``) are whole tokens that decoding keeps."""
+    template (a ``<|role|>`` special token per role in ``roles``); ``added_tokens`` (e.g. ``<think>``) are
+    whole tokens that decoding keeps; ``split_digits``: one token per digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    specials = ["<|pad|>", *(f"<|{r}|>" for r in roles), "<|end|>"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(added_tokens), special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
