@@ -7,12 +7,12 @@ greedy token identity is checked on every prompt.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from eagle3_jax.decode import acceptance, generate
 from eagle3_jax.speculation import Speculation, tier_name
@@ -95,6 +95,13 @@ def peak_memory() -> dict:
     return {"bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "source": "host peak RSS"}
 
 
+def two_proportion_z(p1: float, p2: float, n: int) -> float:
+    """z of two accuracies over ``n`` prompts each (pooled): |z| < 2 is agreement within noise."""
+    p = (p1 + p2) / 2
+    se = math.sqrt(2 * p * (1 - p) / n) if 0 < p < 1 else 0.0
+    return 0.0 if se == 0 else (p1 - p2) / se
+
+
 def category_groups(n: int, categories=None) -> dict:
     """Prompt indices per category (``categories[i]``: prompt ``i``'s, as a string), in order of
     first appearance; one group, ``None``, of all ``n`` prompts without categories."""
@@ -148,11 +155,6 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     def mean(values, idx):
         return None if values is None else sum(values[i] for i in idx) / len(idx)
 
-    def z(p1, p2, n):  # two-proportion z: |z| < 2 is agreement within noise
-        p = (p1 + p2) / 2
-        se = (2 * p * (1 - p) / n) ** 0.5
-        return 0.0 if se == 0 else (p1 - p2) / se
-
     base_tokens, base_s, _ = run(None, None)
     base_correct = graded(base_tokens)
 
@@ -185,7 +187,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
                    "acceptance_rate": rate, "accuracy": mean(correct, idx),
                    "identical_to_vanilla": all(tokens[i] == base_tokens[i] for i in idx) if temperature == 0 else None}
             if grade is not None and temperature > 0:
-                out["accuracy_z"] = z(out["accuracy"], base["accuracy"], len(idx))
+                out["accuracy_z"] = two_proportion_z(out["accuracy"], base["accuracy"], len(idx))
             return out
 
         entry = row(everyone, sum(secs.values()), [s for c in groups for s in stats[c]], vanilla)

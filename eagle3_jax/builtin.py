@@ -172,28 +172,30 @@ def qa_task(rng: np.random.Generator) -> Task:
     facts = [f"{p} is {a} years old and lives in {t}." for p, a, t in zip(names, ages, towns)]
     kind = rng.choice(["age", "town", "who", "older", "oldest", "youngest"], p=[0.25, 0.2, 0.15, 0.2, 0.1, 0.1])
     i, j = (int(x) for x in rng.choice(n, 2, replace=False))
+    # no thinking line starts with a name: a name then has the same token (with its leading
+    # space) in the thinking as in the prompt, so that it is copied, not re-spelt
     if kind == "age":
-        q, steps, ans = f"How old is {names[i]}?", [facts[i]], str(ages[i])
+        q, steps, ans = f"How old is {names[i]}?", [f"Fact: {facts[i]}"], str(ages[i])
     elif kind == "town":
-        q, steps, ans = f"Where does {names[i]} live?", [facts[i]], towns[i]
+        q, steps, ans = f"Where does {names[i]} live?", [f"Fact: {facts[i]}"], towns[i]
     elif kind == "who":
-        q, steps, ans = f"Who lives in {towns[i]}?", [facts[i]], names[i]
+        q, steps, ans = f"Who lives in {towns[i]}?", [f"Fact: {facts[i]}"], names[i]
     elif kind == "older":
         win = i if ages[i] > ages[j] else j
         q = f"Who is older, {names[i]} or {names[j]}?"
-        steps = [f"{names[i]} is {ages[i]}.", f"{names[j]} is {ages[j]}.",
+        steps = [f"Age of {names[i]}: {ages[i]}.", f"Age of {names[j]}: {ages[j]}.",
                  f"{max(ages[i], ages[j])} is more than {min(ages[i], ages[j])}, so {names[win]} is older."]
         ans = names[win]
     else:
         sign = 1 if kind == "oldest" else -1
         word = "oldest" if kind == "oldest" else "youngest"
-        q, best, steps = f"Who is the {word}?", 0, [f"{names[0]} is {ages[0]}, the {word} so far."]
+        q, best, steps = f"Who is the {word}?", 0, [f"Age of {names[0]}: {ages[0]}, the {word} so far."]
         for k in range(1, n):
             if sign * ages[k] > sign * ages[best]:
                 best = k
-                steps.append(f"{names[k]} is {ages[k]}, the {word} so far.")
+                steps.append(f"Age of {names[k]}: {ages[k]}, the {word} so far.")
             else:
-                steps.append(f"{names[k]} is {ages[k]}, {names[best]} is still the {word}.")
+                steps.append(f"Age of {names[k]}: {ages[k]}, so {names[best]} is still the {word}.")
         ans = names[best]
     return Task("qa", "Facts: " + " ".join(facts) + f" Question: {q}", tuple(steps), ans)
 
@@ -245,11 +247,11 @@ def tool_task(rng: np.random.Generator) -> Task:
         item = goods[int(rng.integers(len(goods)))]
         if rng.random() < 0.5:
             prompt = f"A box holds {per} {item}. How many {item} are in {count} boxes?"
-            steps, expr = [f"{per} {item} in each of {count} boxes.", f"That is {per} * {count}."], f"{per} * {count}"
+            steps, expr = [f"Each of {count} boxes holds {per} {item}.", f"That is {per} * {count}."], f"{per} * {count}"
         else:
             extra = int(rng.integers(2, 10))
             prompt = f"A box holds {per} {item}. {who} has {count} boxes and {extra} loose {item}. How many {item} does {who} have?"
-            steps = [f"{per} {item} in each of {count} boxes.", f"That is {per} * {count}.",
+            steps = [f"Each of {count} boxes holds {per} {item}.", f"That is {per} * {count}.",
                      f"Plus {extra} loose: {per} * {count} + {extra}."]
             expr = f"{per} * {count} + {extra}"
         call = {"name": "calculator", "arguments": {"expression": expr}}

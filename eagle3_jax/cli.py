@@ -82,6 +82,9 @@ def _tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+BUILTIN_PROMPTS = 64  # the bench's and the experiment's default share of the built-in eval set (16 per family)
+
+
 def _load_pair(args):
     """``(target, drafter, tokenizer, builtin)``: the given checkpoints, or the built-in pair."""
     import eagle3_jax
@@ -209,7 +212,7 @@ def _cmd_bench(args) -> int:
         except (ValueError, TypeError) as e:
             raise ValueError(str(e) if str(args.prompts) in str(e) else f"--prompts {args.prompts}: {e}") from None
     elif is_builtin:
-        tasks = builtin.eval_tasks()[: args.num_prompts]
+        tasks = builtin.eval_tasks()[: args.num_prompts or BUILTIN_PROMPTS]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
         grade, categories = builtin.Scorer(target, tok, tasks).grade, [t["family"] for t in tasks]
     else:
@@ -279,7 +282,7 @@ def _cmd_experiment(args) -> int:
     if args.prompts:
         prompts = load_prompts(args.prompts, target.config.vocab_size, tok)[: args.num_prompts]
     elif is_builtin:
-        tasks = builtin.eval_tasks()[: args.num_prompts]
+        tasks = builtin.eval_tasks()[: args.num_prompts or BUILTIN_PROMPTS]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
         scorer = builtin.Scorer(target, tok, tasks)
         grade, details, categories = scorer.grade, scorer.details, [t["family"] for t in tasks]
@@ -541,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree", type=_tree, nargs="+", help="tree budgets TOTAL,DEPTH,TOPK or chainN")
     bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
     bench.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
-                       help="first N eval tasks of the built-in pair (default: all), or N random 16-token prompts "
+                       help=f"first N eval tasks of the built-in pair (default {BUILTIN_PROMPTS}: the families take "
+                            "turns, so 16 each), or N random 16-token prompts "
                             "when --target has no --prompts (default 4)")
     bench.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     bench.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=1,
@@ -567,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="step 2's budgets (default 16 64 unlimited)")
     exp.add_argument("--tree", type=_tree, nargs="+", help="static tiers (default chain4 chain6 16,4,4)")
     exp.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
-    exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1), help="first N prompts (default: all)")
+    exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
+                     help=f"first N prompts (default: all --prompts, or the built-in eval set's first {BUILTIN_PROMPTS})")
     exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     exp.add_argument("--sampled-temperature", type=temperature, default=0.7,
                      help="also compare sampled accuracy at this temperature (0: greedy only)")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_jax.bench import category_groups, peak_memory
+from eagle3_jax.bench import category_groups, peak_memory, two_proportion_z
 from eagle3_jax.decode import generate
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
@@ -145,12 +145,6 @@ def _speculation_row(stats: list[dict]) -> dict:
     return row
 
 
-def _z(p1: float, p2: float, n: int) -> float:
-    p = (p1 + p2) / 2
-    se = math.sqrt(2 * p * (1 - p) / n) if 0 < p < 1 else 0.0
-    return 0.0 if se == 0 else (p1 - p2) / se
-
-
 def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categories=None, details=None,
                    budgets=(0, 8, 16, 32, 64, 128, None), chosen=(16, 64, None),
                    tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
@@ -216,7 +210,7 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categorie
                 row["speedup"] = row["tokens_per_second"] / summaries[(b, "vanilla", 0.0)][c]["tokens_per_second"]
                 if sampled_temperature and grade is not None:
                     sv, sm = (summaries[(b, n, sampled_temperature)][c]["accuracy"] for n in ("vanilla", name))
-                    row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, _z(sm, sv, len(idx))
+                    row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, two_proportion_z(sm, sv, len(idx))
                 per[c] = row
             rows[name] = with_categories(per)
         report["step2"][_label(b)] = rows
