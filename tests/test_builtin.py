@@ -88,7 +88,8 @@ def test_eval_tasks_never_occur_in_training_data():
     from eagle3_jax.train import builtin as recipe_mod
 
     shipped = builtin.eval_tasks()
-    assert shipped == [dataclass_dict(t) for t in builtin.make_tasks(builtin.EVAL_TASKS, builtin.EVAL_SEED)]
+    assert shipped == json.loads(json.dumps([dataclass_dict(t) for t in builtin.make_tasks(builtin.EVAL_TASKS,
+                                                                                           builtin.EVAL_SEED)]))
     assert all(sum(t["family"] == f for t in shipped) >= 50 for f in builtin.FAMILIES)
     held = {t["prompt"] for t in shipped}
     r = recipe_mod.Recipe()
