@@ -3,12 +3,15 @@ reasoning target and its EAGLE-3 drafter from scratch on a CPU, then reports the
 
     python -m eagle3_jax.train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
 
-Stages (each resumes from ``work_dir`` when re-run): a byte-level BPE tokenizer trained on
-the task text; the target, a 16-layer Llama trained as a causal LM on generated tasks
-(loss on the assistant turn; a fifth of the examples cut their thinking short, so that the
-model answers whatever thinking it was allowed); the drafter, by the project's own
-pipeline (``configs/builtin.yaml``: regenerate → vocab → fit → export); then the held-out
-metrics (accuracy per thinking budget, drafter τ) written to ``metrics.json``.
+Stages (each resumes from ``work_dir`` when re-run; their seconds go to ``stages.json``): a
+byte-level BPE tokenizer (one token per digit, a ``tool`` role) trained on the task text of
+the four families (``eagle3_jax.builtin``); the target, a 16-layer Llama trained as a causal
+LM on generated tasks (loss on the assistant turns; 15% of the examples cut their thinking
+short, with no loss on the forced ``</think>``, so that the model answers whatever thinking it
+was allowed but never learns to stop early); the drafter, by the project's own pipeline
+(``configs/builtin.yaml``: regenerate → vocab → fit → export) on the target's own first turns;
+then the held-out metrics (per family: accuracy per thinking budget, the tool calls' checks,
+drafter τ per tree, greedy identity) written to ``metrics.json``.
 """
 
 from __future__ import annotations
