@@ -444,7 +444,7 @@ def _tool_turns(target, tokenizer, prompts: list[str], first_texts: list[str], *
                                       {"role": "tool", "content": call_tool(parse_call(text))}])
               for p, text in zip(prompts, first_texts)]
     kw = {k: v for k, v in generate_kw.items()
-          if k not in ("thinking_budget", "thinking_mode", "thinking_grace", "tokenizer", "max_new_tokens")}
+          if k not in ("thinking_budget", "thinking_mode", "thinking_grace", "tokenizer")}
     return generate(target, drafter, second, max_new_tokens=max_new_tokens, tokenizer=tokenizer, **kw).tokens
 
 
