@@ -8,7 +8,8 @@ learns the procedure), then ``The answer is X.``; :func:`grade` checks it.
 * **qa** — a question answered from facts in the prompt (lookup, comparison), little
   thinking: ``Facts: Kamo is 12 years old and lives in Tirel. … Question: How old is Kamo?``
 * **math** — repeated addition or subtraction, 1 to 12 steps:
-  ``Start at 17 and add 3, 4 times.`` → ``Step 1: 17 + 3 = 20.`` … → ``The answer is 29.``
+  ``Start at 17 and add 3, 4 times.`` → ``Step 1: 17 + 3 = 20, 3 left.`` … → ``The answer is 29.``
+  (each step counts down the steps left, so that when to stop is read off the last line)
 * **code** — trace a small program (assignments, a loop, a condition) and give what it prints.
 * **tool** — decide on a tool call after thinking and emit it as JSON between
   ``<tool_call>`` and ``</tool_call>``; :func:`run_tasks` runs the tool (:func:`call_tool`: a
@@ -97,16 +98,22 @@ def lexicon(size: int = 600) -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
+# Few names, towns and goods, each seen thousands of times in training: with 200 names (each a
+# rare token) the target never learned to copy a name from the prompt (teacher-forced loss on
+# names stayed at the uniform ln 200); the tasks still vary by the numbers and the facts.
+N_NAMES, N_TOWNS, N_GOODS = 24, 16, 48
+
+
 def _names() -> tuple[str, ...]:
-    return tuple(w.capitalize() for w in lexicon()[:200])
+    return tuple(w.capitalize() for w in lexicon()[:200:8][:N_NAMES])
 
 
 def _towns() -> tuple[str, ...]:
-    return tuple(w.capitalize() for w in lexicon()[200:300])
+    return tuple(w.capitalize() for w in lexicon()[200:300:6][:N_TOWNS])
 
 
 def _goods() -> tuple[str, ...]:
-    return lexicon()[300:]
+    return lexicon()[300::6][:N_GOODS]
 
 
 @lru_cache(maxsize=1)
@@ -207,7 +214,7 @@ def math_task(rng: np.random.Generator) -> Task:
     steps, total = [], start
     for i in range(1, n + 1):
         new = total + d if add else total - d
-        steps.append(f"Step {i}: {total} {'+' if add else '-'} {d} = {new}.")
+        steps.append(f"Step {i}: {total} {'+' if add else '-'} {d} = {new}, {n - i} left.")
         total = new
     times = "once" if n == 1 else f"{n} times"
     template = ["Start at {} and {} {}, {}.", "Begin with {} and {} {}, {}."][int(rng.integers(2))]
@@ -221,7 +228,7 @@ def code_task(rng: np.random.Generator) -> Task:
     lines, steps = [f"x = {x}", f"y = {y}", f"for i in range({n}):", f"    x = x {'+' if add else '-'} y"], [f"x = {x} and y = {y}."]
     for i in range(n):
         new = x + y if add else x - y
-        steps.append(f"i = {i}: x = {x} {'+' if add else '-'} {y} = {new}.")
+        steps.append(f"i = {i}: x = {x} {'+' if add else '-'} {y} = {new}, {n - 1 - i} left.")
         x = new
     c, k = int(rng.integers(max(x - 20, 0), x + 20)), int(rng.integers(1, 10))
     gt, has_else = rng.random() < 0.5, rng.random() < 0.5

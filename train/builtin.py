@@ -45,10 +45,11 @@ class Recipe:
     intermediate_size: int = 344
     num_heads: int = 2
     num_kv_heads: int = 1
+    tie_embeddings: bool = False     # tied, the name tokens' rows were pushed together by the output loss and names were never copied
     max_position_embeddings: int = 512
     target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.15       # share of examples whose thinking is cut short
-    target_steps: int = 5000
+    target_steps: int = 10_000
     target_batch: int = 8
     seq_len: int = 288
     target_lr: float = 3e-3
@@ -74,7 +75,6 @@ def build_tokenizer(work: Path, recipe: Recipe):
         for tag in tags:
             text = text.replace(tag, "")
         corpus.append(text)
-    corpus += [" ".join(builtin.lexicon()[i:i + 10]) for i in range(0, len(builtin.lexicon()), 10)]
     return bpe(work / "tokenizer", corpus, recipe.vocab_size, added_tokens=tags, split_digits=True,
                roles=("user", "assistant", "system", "tool"))
 
@@ -97,7 +97,7 @@ def target_config(recipe: Recipe, tok):
     return TargetConfig.from_dict(dict(
         model_type="llama", hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
         intermediate_size=recipe.intermediate_size, num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads, vocab_size=len(tok), tie_word_embeddings=True,
+        num_key_value_heads=recipe.num_kv_heads, vocab_size=len(tok), tie_word_embeddings=recipe.tie_embeddings,
         max_position_embeddings=recipe.max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
         eos_token_id=[tok.eos_token_id]), source="recipe")
 
