@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from typing import Sequence
@@ -980,6 +981,18 @@ def _slot_rounds(tgraph, tstate, dgraph, dstate, st: _State, cap, force_tier, *,
     return _rounds(target, drafter, st, loop, force_tier, cap)
 
 
+def _slot_snapshot(st: _State) -> dict:
+    """What :meth:`Slots.poll` reads of a state, as arrays of their own (the state itself is
+    donated to the next dispatch, so a poll that lags a dispatch behind reads these)."""
+    out = {"out": st.out, "n_out": st.n_out, "done": st.done, "accept": st.accept}
+    if st.round_tier is not None:
+        out["round_tier"] = st.round_tier
+    if st.think is not None:
+        out.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
+                   round_thinking=st.think.round_thinking)
+    return out
+
+
 def _slot_release(st: _State, slot) -> _State:
     return dataclasses.replace(st, done=st.done.at[slot].set(True))
 
@@ -1011,7 +1024,8 @@ def _slot_programs(tgraph, dgraph, tdef, ddef, loop: _Loop):
 
         def rounds(tl, dl, st, cap, tier):
             ts, ds = states(tl, dl)
-            return _slot_rounds(tgraph, ts, dgraph, ds, st, cap, tier, loop=loop)
+            st = _slot_rounds(tgraph, ts, dgraph, ds, st, cap, tier, loop=loop)
+            return st, _slot_snapshot(st)
 
         _SLOT_PROGRAMS[key] = (jax.jit(insert, donate_argnums=(2,)), jax.jit(rounds, donate_argnums=(2,)))
         while len(_SLOT_PROGRAMS) > COMPILE_CACHE_SIZE:
@@ -1031,7 +1045,8 @@ class SlotView:
     for that request so far (prompt excluded); ``finish_reason``: ``stop`` | ``length`` once
     ``done``, else ``None``; the thinking fields as in ``GenerateResult``; ``stats``: the
     request's round statistics as in ``GenerateResult.stats`` (no timing), with
-    ``accepted_per_position``.
+    ``accepted_per_position``; ``ticket``: the request it shows (what :meth:`Slots.insert`
+    returned; -1 for a free slot) — a lagging poll may show a slot's previous request.
     """
 
     active: bool
@@ -1042,6 +1057,7 @@ class SlotView:
     answer_tokens: int
     thinking_status: str
     stats: dict
+    ticket: int = -1
 
 
 class Slots:
@@ -1055,7 +1071,9 @@ class Slots:
     the speculation is a fixed tier (the adaptive policy's tier per round depends on the batch).
 
     :meth:`insert`, :meth:`run` and :meth:`release` only dispatch device work; :meth:`poll` is
-    the one host synchronisation.  Not thread-safe: drive it from one thread.
+    the one host synchronisation.  ``poll(lag=1)`` reads the dispatch before the last one, so a
+    driver can keep the device busy: dispatch round N+1, then read round N while it runs.  Not
+    thread-safe: drive it from one thread.
 
     Args:
       target, drafter: the pair (``drafter=None``: vanilla decoding).
@@ -1095,6 +1113,9 @@ class Slots:
         self._busy = [False] * self.num_slots
         self._stops = [set(self.stop_ids)] * self.num_slots
         self._prompt_phase = [budget.BEFORE] * self.num_slots
+        self._tickets = [-1] * self.num_slots  # the request in each slot (insert's serial number)
+        self._serial = itertools.count()
+        self._snaps: collections.deque = collections.deque(maxlen=2)  # (snapshot, host meta) of the last dispatches
         learned = policy.fresh(self.spec or _NO_SPEC)
         n_tiers = 1 if self.spec is None else len(self.spec.tiers)
         if round_ms is None and self.spec is not None and self.spec.policy == "adaptive":
@@ -1122,6 +1143,7 @@ class Slots:
                 self._dispatch(rounds, tier)
                 jax.block_until_ready(self._state)
                 ran = int(np.asarray(self._state.step))
+                self._snaps.clear()
                 best = min(best, 1e3 * (time.perf_counter() - start) / max(ran, 1))
                 for s in range(self.num_slots):
                     self.release(s)
@@ -1141,9 +1163,10 @@ class Slots:
         return self.max_len - prompt_len - self._scratch
 
     def insert(self, slot: int, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None, thinking_budget=None):
+               top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None, thinking_budget=None) -> int:
         """Prefills a request into the free slot ``slot``; its first token is emitted.  Arguments
-        as for ``generate`` (one prompt); ``TypeError`` / ``ValueError`` naming the argument."""
+        as for ``generate`` (one prompt); ``TypeError`` / ``ValueError`` naming the argument.
+        Returns the request's ticket (``SlotView.ticket`` of its views)."""
         slot = _int_arg("slot", slot, 0, self.num_slots)
         if self._busy[slot]:
             raise ValueError(f"slot {slot} holds a running request: release it first")
@@ -1175,13 +1198,20 @@ class Slots:
         self._busy[slot] = True
         self._stops[slot] = set(stops)
         self._prompt_phase[slot] = phase
+        self._tickets[slot] = next(self._serial)
+        return self._tickets[slot]
 
     def run(self, rounds: int):
         """Dispatches up to ``rounds`` rounds of every active slot (returns at once)."""
         self._dispatch(_int_arg("rounds", rounds, 1), -1)
 
     def _dispatch(self, rounds: int, force_tier: int):
-        self._state = self._rounds_fn(*self._leaves, self._state, np.int32(rounds), np.int32(force_tier))
+        self._state, snap = self._rounds_fn(*self._leaves, self._state, np.int32(rounds), np.int32(force_tier))
+        self._snaps.append((snap, self._meta()))
+
+    def _meta(self):
+        """The host's view of the slots as of now (stored with a dispatch's snapshot)."""
+        return tuple(self._busy), tuple(self._tickets), tuple(self._stops), tuple(self._prompt_phase)
 
     def release(self, slot: int):
         """Ends the request in ``slot`` now (e.g. its client went away); the slot is free."""
@@ -1189,20 +1219,23 @@ class Slots:
         self._state = _slot_release_jit(self._state, np.int32(slot))
         self._busy[slot] = False
 
-    def poll(self) -> list[SlotView]:
+    def poll(self, lag: int = 0) -> list[SlotView]:
         """Waits for the dispatched work and returns one ``SlotView`` per slot; a slot whose
-        request is seen finished here becomes free."""
-        st = self._state
-        fetch = {"out": st.out, "n_out": st.n_out, "done": st.done, "accept": st.accept}
-        if st.round_tier is not None:
-            fetch["round_tier"] = st.round_tier
-        if st.think is not None:
-            fetch.update(phase=st.think.phase, thinking=st.think.thinking, forced=st.think.forced,
-                         round_thinking=st.think.round_thinking)
+        request is seen finished here becomes free.
+
+        ``lag=1`` reads the state as of the dispatch before the last :meth:`run` instead (waiting
+        only for that one; the state now when there is no such dispatch), so the last dispatch
+        keeps the device busy meanwhile.  Its views show the slots as they were then: a slot
+        released or filled since shows its previous request (compare ``SlotView.ticket``)."""
+        lag = _int_arg("lag", lag, 0, 2)
+        if lag and len(self._snaps) == 2:
+            fetch, (busy, tickets, stops, prompt_phase) = self._snaps[0]
+        else:
+            fetch, (busy, tickets, stops, prompt_phase) = _slot_snapshot(self._state), self._meta()
         res = jax.device_get(fetch)
         views = []
         for s in range(self.num_slots):
-            if not self._busy[s]:
+            if not busy[s]:
                 views.append(SlotView(False, [], True, None, 0, 0, "none", {}))
                 continue
             tokens = res["out"][s, : res["n_out"][s]].tolist()
@@ -1215,10 +1248,12 @@ class Slots:
             if self.thinking is not None:
                 thinking = int(res["thinking"][s])
                 status = budget.status(int(res["phase"][s]), bool(res["forced"][s]),
-                                       thinking > 0 or self._prompt_phase[s] == budget.THINKING)
+                                       thinking > 0 or prompt_phase[s] == budget.THINKING)
             finish = None
             if done:
-                finish = "stop" if tokens and tokens[-1] in self._stops[s] else "length"
-                self._busy[s] = False
-            views.append(SlotView(not done, tokens, done, finish, thinking, len(tokens) - thinking, status, stats))
+                finish = "stop" if tokens and tokens[-1] in stops[s] else "length"
+                if self._tickets[s] == tickets[s]:
+                    self._busy[s] = False
+            views.append(SlotView(not done, tokens, done, finish, thinking, len(tokens) - thinking, status, stats,
+                                  tickets[s]))
         return views

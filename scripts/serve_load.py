@@ -3,7 +3,10 @@ built-in pair; too slow for the test suite, so their output is quoted instead.
 
 ``solo``: concurrency 1 — the eval prompts one after another through the server (streamed,
 timed on the client) vs ``eagle3_jax.generate`` on each prompt alone (batch 1, compilation
-excluded), same tree, greedy, same budget: served tokens/s over generate's.
+excluded), same tree, greedy, same budget: served tokens/s over generate's.  The server runs
+in this process (a thread) by default; ``--process`` starts it as ``eagle3-jax serve`` in a
+process of its own, as a deployment runs it, so the client's work does not hold the server's
+GIL.
 
 ``flood``: ``--requests`` requests (default 200) arriving faster than the server can serve
 them (Poisson at ``--rate``) with a small queue: every request must be answered (200) or
@@ -18,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import resource
+import socket
+import subprocess
 import sys
 import time
 
@@ -51,6 +58,50 @@ def _e2e_sum(c, url) -> float:
     return 0.0
 
 
+@contextlib.contextmanager
+def server_process(args):
+    """``eagle3-jax serve`` with the built-in pair in a process of its own on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--port", str(port), "--max-batch", str(args.max_batch),
+           "--max-len", str(args.max_len), "--rounds-per-dispatch", str(args.rounds_per_dispatch),
+           "--speculation", args.tree, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up in 300 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class _Url:
+    def __init__(self, url):
+        self.url = url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def solo(args, target, drafter, tok):
     """Each prompt ``--repeats`` times through generate and through the server, interleaved (the
     machine's load drifts), the fastest of each kept: best-case wall time per token of both."""
@@ -59,11 +110,16 @@ def solo(args, target, drafter, tok):
     prompts = [encode_chat(tok, [{"role": "user", "content": t}]) for t in texts]
     kw = dict(max_new_tokens=args.max_tokens, tree=tree, tokenizer=tok)
     eagle3_jax.generate(target, drafter, [prompts[0]], **kw)  # compile
-    app = build(target, drafter, tok, max_batch=args.max_batch, max_len=args.max_len, speculation=tree,
-                rounds_per_dispatch=args.rounds_per_dispatch, model_name="builtin", temperature=0.0)
+    if args.process:
+        app, server = None, server_process(args)
+    else:
+        app = build(target, drafter, tok, max_batch=args.max_batch, max_len=args.max_len, speculation=tree,
+                    rounds_per_dispatch=args.rounds_per_dispatch, model_name="builtin", temperature=0.0)
+        server = ServerThread(app)
     gen_s = gen_wall = srv_s = engine_s = 0.0
     n_tokens, same = 0, 0
-    with ServerThread(app) as srv, httpx.Client(timeout=120) as c:
+    with server as srv, httpx.Client(timeout=120) as c:
+        srv = _Url(srv) if isinstance(srv, str) else srv
         def once(text):
             body = {"model": "builtin", "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
@@ -94,9 +150,10 @@ def solo(args, target, drafter, tok):
             engine_s += min(e for _, e, _ in srvs)
             n_tokens += len(gen.tokens[0])
             same += all(ids == gen.tokens[0] for _, _, ids in srvs)
-        engine = app.state.engine
+    where = "its own process" if args.process else "this process"
     print(f"concurrency 1, {len(prompts)} eval prompts, {args.tree}, greedy, max_tokens {args.max_tokens}, "
-          f"{args.max_batch} slots, {args.rounds_per_dispatch} rounds per dispatch, fastest of {args.repeats} each:")
+          f"{args.max_batch} slots, {args.rounds_per_dispatch} rounds per dispatch, server in {where}, "
+          f"fastest of {args.repeats} each:")
     print(f"  generate (batch 1):           {n_tokens} tokens in {gen_s:.3f} s = {n_tokens / gen_s:7.1f} tok/s "
           f"(its stats: the compiled call)")
     print(f"  generate, wall (whole call):  {n_tokens} tokens in {gen_wall:.3f} s = {n_tokens / gen_wall:7.1f} tok/s")
@@ -104,7 +161,7 @@ def solo(args, target, drafter, tok):
           f"({gen_s / srv_s:.1%} of generate)")
     print(f"  served, engine-timed (e2e):   {n_tokens} tokens in {engine_s:.3f} s = {n_tokens / engine_s:7.1f} tok/s "
           f"({gen_s / engine_s:.1%} of generate)")
-    print(f"  identical tokens {same}/{len(prompts)}; {engine.dispatches} dispatches")
+    print(f"  identical tokens {same}/{len(prompts)}" + ("" if app is None else f"; {app.state.engine.dispatches} dispatches"))
     return 0
 
 
@@ -191,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--rounds-per-dispatch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="solo: runs per prompt and side (the fastest kept)")
+    p.add_argument("--process", action="store_true", help="solo: run the server in a process of its own")
     args = p.parse_args(argv)
     args.requests = args.requests or (32 if args.mode == "solo" else 200)
     target, drafter, tok = builtin.load()

@@ -2,15 +2,17 @@
 
 One engine thread owns the slots and loops: cancelled requests release their slots, waiting
 requests are admitted into free slots (their prefill is dispatched), ``slots.run(k)``
-dispatches ``k`` rounds for every active slot, ``slots.poll()`` syncs once, and each
-request's new tokens are turned into text (:class:`~eagle3_jax.serve.output.OutputParser`)
-and handed to the asyncio loop that serves its HTTP response
-(``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``).  That host work on a
-poll's tokens runs after the next dispatch is issued, so it overlaps the device's work (a
-slot whose request finished on device is free for the next admission at once; one ended by a
-stop string is released a dispatch later).  ``k`` is 1 while a request waits (a fresh
+dispatches ``k`` rounds for every active slot, ``slots.poll(lag=1)`` syncs once on the
+dispatch before (so the device runs this one meanwhile: it never waits for the host between
+dispatches), and each request's new tokens are turned into text
+(:class:`~eagle3_jax.serve.output.OutputParser`) and handed to the asyncio loop that serves its
+HTTP response (``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``).  That host
+work on a poll's tokens runs after the next dispatch is issued, so it overlaps the device's
+work too.  A slot whose request finished on device is free for the next admission when that
+is seen; one ended by a stop string is released a dispatch later; views read from before a
+request's admission are told apart by their ticket.  ``k`` is 1 while a request waits (a fresh
 admission, or the queue is not empty), so a waiting request's first token or free slot is
-seen a round later, not ``k`` rounds later; after that it doubles per dispatch up to
+seen a round or two later, not ``k`` rounds later; after that it doubles per dispatch up to
 ``rounds_per_dispatch`` (fresh text streams at once, a long answer costs few host syncs).
 When the only active requests are fresh admissions, their first tokens (from the prefill) are
 polled before any round is dispatched.  Nothing here blocks the event loop:
@@ -96,6 +98,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.slot: int | None = None
+        self.ticket = -1  # the slot engine's ticket of this request once admitted
         self.done = False
         self.parser = OutputParser(engine.tokenizer, split=split, thinking=engine.slots.thinking,
                                    prompt_ids=self.prompt_ids, stop=params.stop,
@@ -263,7 +266,7 @@ class Engine:
         for req in admit:
             p = req.params
             try:
-                self.slots.insert(req.slot, req.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                req.ticket = self.slots.insert(req.slot, req.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                                   top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids,
                                   thinking_budget=p.thinking_budget)
             except (TypeError, ValueError) as e:  # the HTTP layer validates first; this is the last guard
@@ -273,7 +276,8 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
-        if active and len(active) > len(admit):  # only fresh admissions: poll their first tokens first
+        dispatched = bool(active) and len(active) > len(admit)  # only fresh admissions: poll their first tokens first
+        if dispatched:
             if admit or queued:
                 self._ramp = 1
             else:
@@ -284,13 +288,16 @@ class Engine:
             if not req.done:
                 self._deliver(req, view)
         if active:
-            views = self.slots.poll()
+            # After a dispatch, read the one before it: the device runs this one meanwhile.
+            views = self.slots.poll(lag=1 if dispatched else 0)
             self.dispatches += 1
             now = time.perf_counter()
             for req in active:
                 if req.done or req.slot is None:  # a stop string ended it while this dispatch ran
                     continue
                 view = views[req.slot]
+                if view.ticket != req.ticket:  # read from before its admission
+                    continue
                 if req.first_token is None and view.tokens:
                     req.first_token = now
                 self._pending.append((req, view))

@@ -22,30 +22,35 @@ def pair():
     return target, drafter, tok, prompts
 
 
-def _drain(slots: Slots, queue: list, results: dict, rounds: int = 3):
+def _drain(slots: Slots, queue: list, results: dict, rounds: int = 3, lag: int = 0):
     """Inserts ``queue`` entries (index, kwargs) into free slots between dispatches until
-    every request finished; ``results[index]`` = its final view."""
+    every request finished; ``results[index]`` = its final view.  ``lag=1`` reads each
+    dispatch's views while the next one runs (as the server does)."""
     where = {}
     while queue or where:
         free = [s for s in range(slots.num_slots) if s not in where]
         while queue and free:
             i, kw = queue.pop(0)
             s = free.pop(0)
-            slots.insert(s, **kw)
-            where[s] = i
+            where[s] = i, slots.insert(s, **kw)
         slots.run(rounds)
-        views = slots.poll()
-        for s, i in list(where.items()):
+        views = slots.poll(lag=lag)
+        for s, (i, ticket) in list(where.items()):
+            if views[s].ticket != ticket:  # a lagging view from before the request's admission
+                assert lag
+                continue
             if views[s].done:
                 results[i] = views[s]
                 del where[s]
     return results
 
 
-@pytest.mark.parametrize("tree", [TreeConfig.chain(4), None], ids=["chain4", "vanilla"])
-def test_greedy_requests_joining_a_running_batch_equal_generate_alone(pair, tree):
+@pytest.mark.parametrize("tree,lag", [(TreeConfig.chain(4), 0), (TreeConfig.chain(4), 1), (None, 0)],
+                         ids=["chain4", "chain4-lag", "vanilla"])
+def test_greedy_requests_joining_a_running_batch_equal_generate_alone(pair, tree, lag):
     """Six requests with different prompts, budgets and limits through three slots: each
-    joins when a slot frees, and each gets generate's tokens, thinking counts and statuses."""
+    joins when a slot frees, and each gets generate's tokens, thinking counts and statuses —
+    read in step with the dispatches, or a dispatch behind (``poll(lag=1)``)."""
     target, drafter, tok, prompts = pair
     drafter = drafter if tree is not None else None
     budgets = [0, 5, None, 11, None, 3]
@@ -53,7 +58,7 @@ def test_greedy_requests_joining_a_running_batch_equal_generate_alone(pair, tree
     slots = Slots(target, drafter, num_slots=3, max_len=192, speculation=tree, tokenizer=tok)
     queue = [(i, dict(prompt_ids=p, max_new_tokens=n, thinking_budget=b))
              for i, (p, n, b) in enumerate(zip(prompts, limits, budgets))]
-    got = _drain(slots, queue, {})
+    got = _drain(slots, queue, {}, lag=lag)
     for i, (p, n, b) in enumerate(zip(prompts, limits, budgets)):
         want = eagle3_jax.generate(target, drafter, [p], max_new_tokens=MAX_NEW, tokenizer=tok, thinking_budget=b,
                                    tree=tree or TreeConfig())  # one program for every limit: a shorter one is a prefix
