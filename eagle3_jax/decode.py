@@ -1162,6 +1162,26 @@ class Slots:
             return 0
         return self.max_len - prompt_len - self._scratch
 
+    def prompt_bucket(self, prompt_len: int) -> int:
+        """The padded length a prompt of ``prompt_len`` tokens is prefilled at: a power of two
+        (at least 32) when that fits in a slot, else a multiple of 32.  There is one compiled
+        prefill per bucket, so a server warms them all up (:meth:`warm_buckets`) and few exist."""
+        b = _bucket(1)
+        while b < prompt_len:
+            b *= 2
+        return b if b <= self.max_len else _bucket(prompt_len)
+
+    def warm_buckets(self) -> list[int]:
+        """Prompt lengths that reach every power-of-two prefill bucket a request can use (one
+        each, with room for a new token): prefilling each once compiles every prefill."""
+        out, b = [], _bucket(1)
+        while b <= self.max_len:
+            n = b // 2 + 1 if b > _bucket(1) else 1
+            if self.max_new_tokens_for(n) >= 1:
+                out.append(n)
+            b *= 2
+        return out
+
     def insert(self, slot: int, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None, thinking_budget=None) -> int:
         """Prefills a request into the free slot ``slot``; its first token is emitted.  Arguments
@@ -1187,7 +1207,7 @@ class Slots:
         if self.thinking is None and budget_ >= 0:
             raise ValueError("thinking_budget needs the think-open/close tokens: this engine has no thinking phase")
         phase = budget.initial_phase(prompt, self.thinking) if self.thinking else budget.BEFORE
-        T = _bucket(prompt.size)
+        T = self.prompt_bucket(prompt.size)
         prompt_1xT = np.zeros((1, T), np.int32)
         prompt_1xT[0, : prompt.size] = prompt
         row = lambda v, dtype=np.int32: np.asarray([v], dtype)  # noqa: E731  (numpy: no eager device work)

@@ -118,3 +118,30 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
     v = slots.poll()[0]
     assert v.done and v.finish_reason in ("stop", "length") and len(v.tokens) <= 8
     assert np.all(np.asarray(v.tokens) < target.config.vocab_size)
+
+
+def test_prompt_buckets_are_powers_of_two_and_warmup_compiles_every_prefill(pair, caplog):
+    """A slot prefills at a power-of-two length (a multiple of 32 when that would not fit), so
+    the server's warm-up compiles every prefill a request can need: none compiles later."""
+    import jax
+
+    from eagle3_jax.serve.engine import Engine
+
+    target, drafter, tok, prompts = pair
+    slots = Slots(target, drafter, num_slots=2, max_len=192, speculation=TreeConfig.chain(4), tokenizer=tok)
+    assert [slots.prompt_bucket(n) for n in (1, 32, 33, 64, 65, 128, 129, 160, 170)] == [
+        32, 32, 64, 64, 128, 128, 160, 160, 192]
+    assert [slots.prompt_bucket(n) for n in slots.warm_buckets()] == [32, 64, 128]
+    Engine(slots, tok).warmup(prompts[0][:5])
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for n in (1, 31, 40, 64, 100, 128):
+            slots.insert(1, (prompts[1] * 10)[:n], max_new_tokens=4)
+            slots.run(2)
+            assert slots.poll()[1].tokens
+            slots.release(1)
+    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiles, compiles
+    with jax.log_compiles(True), caplog.at_level("WARNING"):  # the check sees compilations at all
+        slots.insert(1, (prompts[1] * 10)[:150], max_new_tokens=4)  # bucket 160: not a power of two
+    assert any("Compiling" in r.getMessage() for r in caplog.records)
