@@ -1164,22 +1164,25 @@ class Slots:
 
     def prompt_bucket(self, prompt_len: int) -> int:
         """The padded length a prompt of ``prompt_len`` tokens is prefilled at: a power of two
-        (at least 32) when that fits in a slot, else a multiple of 32.  There is one compiled
-        prefill per bucket, so a server warms them all up (:meth:`warm_buckets`) and few exist."""
+        (at least 32) when that fits in a slot, else ``max_len`` rounded down to a multiple of
+        32 (a prompt that fits in no bucket gets no room: :meth:`max_new_tokens_for`).  There is
+        one compiled prefill per bucket, so few exist and a server warms them all up
+        (:meth:`warm_buckets`)."""
         b = _bucket(1)
         while b < prompt_len:
             b *= 2
-        return b if b <= self.max_len else _bucket(prompt_len)
+        return b if b <= self.max_len else self.max_len // _bucket(1) * _bucket(1)
 
     def warm_buckets(self) -> list[int]:
-        """Prompt lengths that reach every power-of-two prefill bucket a request can use (one
-        each, with room for a new token): prefilling each once compiles every prefill."""
-        out, b = [], _bucket(1)
-        while b <= self.max_len:
-            n = b // 2 + 1 if b > _bucket(1) else 1
-            if self.max_new_tokens_for(n) >= 1:
-                out.append(n)
-            b *= 2
+        """The shortest prompt length of every bucket a request can use (those with room for
+        a new token): prefilling one prompt of each length compiles every prefill."""
+        out, n = [], 1
+        while self.max_new_tokens_for(n) >= 1:
+            out.append(n)
+            b = self.prompt_bucket(n)
+            if b >= self.max_len // _bucket(1) * _bucket(1):
+                break
+            n = b + 1
         return out
 
     def insert(self, slot: int, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

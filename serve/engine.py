@@ -9,8 +9,9 @@ dispatches), and each request's new tokens are turned into text
 HTTP response (``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``).  That host
 work on a poll's tokens runs after the next dispatch is issued, so it overlaps the device's
 work too.  A slot whose request finished on device is free for the next admission when that
-is seen; one ended by a stop string is released a dispatch later; views read from before a
-request's admission are told apart by their ticket.  ``k`` is 1 while a request waits (a fresh
+is seen (a dispatch after it finished); one ended by a stop string is released when its text
+is parsed, up to two dispatches later (its surplus tokens are dropped); views read from before
+a request's admission are told apart by their ticket.  ``k`` is 1 while a request waits (a fresh
 admission, or the queue is not empty), so a waiting request's first token or free slot is
 seen a round or two later, not ``k`` rounds later; after that it doubles per dispatch up to
 ``rounds_per_dispatch`` (fresh text streams at once, a long answer costs few host syncs).
@@ -98,7 +99,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.slot: int | None = None
-        self.ticket = -1  # the slot engine's ticket of this request once admitted
+        self.ticket: int | None = None  # the slot engine's ticket of this request once admitted
         self.done = False
         self.parser = OutputParser(engine.tokenizer, split=split, thinking=engine.slots.thinking,
                                    prompt_ids=self.prompt_ids, stop=params.stop,
@@ -250,7 +251,8 @@ class Engine:
 
     def _step(self) -> bool:
         """One iteration: cancellations, admissions, a dispatch, the host work of the previous
-        poll (while the dispatch runs), then this dispatch's poll; False to stop."""
+        poll (while the dispatch runs), then the poll of the dispatch before this one (of the
+        state now when nothing was dispatched); False to stop."""
         with self._cv:
             while not (self._stop or self._waiting or self._cancelled or self.running or self._pending):
                 self._cv.wait()
@@ -285,7 +287,8 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
-        dispatched = bool(active) and len(active) > len(admit)  # only fresh admissions: poll their first tokens first
+        fresh = sum(r.slot is not None for r in admit)
+        dispatched = len(active) > fresh  # only fresh admissions: poll their first tokens first
         if dispatched:
             if admit or queued:
                 self._ramp = 1

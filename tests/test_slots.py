@@ -120,28 +120,69 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
     assert np.all(np.asarray(v.tokens) < target.config.vocab_size)
 
 
-def test_prompt_buckets_are_powers_of_two_and_warmup_compiles_every_prefill(pair, caplog):
-    """A slot prefills at a power-of-two length (a multiple of 32 when that would not fit), so
-    the server's warm-up compiles every prefill a request can need: none compiles later."""
+def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog):
+    """A slot prefills at a power-of-two length (above the largest that fits: at max_len
+    rounded down to 32), so the server's warm-up compiles every prefill a request can need:
+    none compiles later, inserted beside a running request; a prompt padded to another length
+    than generate's (80 tokens: 128 here, 96 there) still gets generate's tokens."""
     import jax
 
     from eagle3_jax.serve.engine import Engine
 
     target, drafter, tok, prompts = pair
-    slots = Slots(target, drafter, num_slots=2, max_len=192, speculation=TreeConfig.chain(4), tokenizer=tok)
+    tree = TreeConfig.chain(4)
+    slots = Slots(target, drafter, num_slots=2, max_len=192, speculation=tree, tokenizer=tok)
     assert [slots.prompt_bucket(n) for n in (1, 32, 33, 64, 65, 128, 129, 160, 170)] == [
-        32, 32, 64, 64, 128, 128, 160, 160, 192]
-    assert [slots.prompt_bucket(n) for n in slots.warm_buckets()] == [32, 64, 128]
+        32, 32, 64, 64, 128, 128, 192, 192, 192]
+    assert slots.warm_buckets() == [1, 33, 65, 129]
     Engine(slots, tok).warmup(prompts[0][:5])
+    long_prompt = prompts[2] + prompts[3][1:]
+    long_prompt = long_prompt[:80 - len(prompts[1])] + prompts[1] if len(long_prompt) > 80 else long_prompt
+    assert 65 <= len(long_prompt) <= 96, len(long_prompt)
     caplog.clear()
     with jax.log_compiles(True), caplog.at_level("WARNING"):
-        for n in (1, 31, 40, 64, 100, 128):
+        slots.insert(0, prompts[4], max_new_tokens=MAX_NEW)  # keeps running while the others come and go
+        for n in (1, 31, 40, 64, 100, 128, 150, 170):
+            slots.run(2)
             slots.insert(1, (prompts[1] * 10)[:n], max_new_tokens=4)
             slots.run(2)
             assert slots.poll()[1].tokens
             slots.release(1)
+        slots.insert(1, long_prompt, max_new_tokens=MAX_NEW)
+        got = slots.poll()[1]
+        while not got.done:
+            slots.run(8)
+            got = slots.poll()[1]
     compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert not compiles, compiles
-    with jax.log_compiles(True), caplog.at_level("WARNING"):  # the check sees compilations at all
-        slots.insert(1, (prompts[1] * 10)[:150], max_new_tokens=4)  # bucket 160: not a power of two
+    want = eagle3_jax.generate(target, drafter, [long_prompt], max_new_tokens=MAX_NEW, tree=tree)
+    assert got.tokens == want.tokens[0]
+    with jax.log_compiles(True), caplog.at_level("WARNING"):  # the check above does see compilations
+        jax.jit(lambda x: x + 1)(np.float32(len(got.tokens)))
     assert any("Compiling" in r.getMessage() for r in caplog.records)
+
+
+def test_lagging_poll_after_release_and_reinsert(pair):
+    """``poll(lag=1)`` shows a slot as it was at the dispatch before the last: the released
+    request (its old ticket) until a dispatch after the release is read, then the new one."""
+    target, _, tok, prompts = pair
+    slots = Slots(target, None, num_slots=1, max_len=128, tokenizer=tok)
+    first = slots.insert(0, prompts[0], max_new_tokens=40)
+    slots.run(2)
+    slots.run(2)
+    v = slots.poll(lag=1)[0]
+    assert v.ticket == first and v.active and len(v.tokens) == 3  # the prefill's token and 2 rounds
+    slots.release(0)
+    second = slots.insert(0, prompts[1], max_new_tokens=5)
+    assert second != first
+    slots.run(2)
+    v = slots.poll(lag=1)[0]
+    assert v.ticket == first and v.active and len(v.tokens) == 5  # the dispatch before the release
+    slots.run(2)
+    v = slots.poll(lag=1)[0]
+    assert v.ticket == second and len(v.tokens) == 3
+    slots.run(8)
+    slots.run(1)
+    v = slots.poll(lag=1)[0]
+    assert v.ticket == second and v.done and len(v.tokens) <= 5
+    slots.insert(0, prompts[2], max_new_tokens=4)  # seen done with its own ticket: the slot is free
