@@ -193,7 +193,7 @@ def test_shipped_pair_greedy_matches_vanilla(pair):
 def test_main_job_answers_a_prompt(capsys):
     from eagle3_jax.cli import main
 
-    prompt = "A box holds 79 puko. How many puko are in 67 boxes?"  # the README's main job
+    prompt = "A box holds 79 poukal. How many poukal are in 67 boxes?"  # the README's main job
     assert main(["generate", prompt, "--max-new-tokens", "96"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Thinking:\n") and "\nAnswer:\n" in out
