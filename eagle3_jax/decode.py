@@ -1171,7 +1171,12 @@ class Slots:
         b = _bucket(1)
         while b < prompt_len:
             b *= 2
-        return b if b <= self.max_len else self.max_len // _bucket(1) * _bucket(1)
+        return b if b <= self.max_len else self._top_bucket
+
+    @property
+    def _top_bucket(self) -> int:
+        """The longest prefill: ``max_len`` rounded down to a multiple of 32."""
+        return self.max_len // _bucket(1) * _bucket(1)
 
     def warm_buckets(self) -> list[int]:
         """The shortest prompt length of every bucket a request can use (those with room for
@@ -1180,7 +1185,7 @@ class Slots:
         while self.max_new_tokens_for(n) >= 1:
             out.append(n)
             b = self.prompt_bucket(n)
-            if b >= self.max_len // _bucket(1) * _bucket(1):
+            if b >= self._top_bucket:
                 break
             n = b + 1
         return out

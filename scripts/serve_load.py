@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import httpx
 
@@ -60,7 +61,8 @@ def _e2e_sum(c, url) -> float:
 
 @contextlib.contextmanager
 def server_process(args):
-    """``eagle3-jax serve`` with the built-in pair in a process of its own on a free loopback port."""
+    """``eagle3-jax serve`` with the built-in pair in a process of its own on a free loopback port
+    (yields an object with its ``url``, as ``ServerThread`` does)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -82,24 +84,13 @@ def server_process(args):
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not come up in 300 s")
             time.sleep(0.5)
-        yield url
+        yield types.SimpleNamespace(url=url)
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-class _Url:
-    def __init__(self, url):
-        self.url = url
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def solo(args, target, drafter, tok):
@@ -119,7 +110,6 @@ def solo(args, target, drafter, tok):
     gen_s = gen_wall = srv_s = engine_s = 0.0
     n_tokens, same = 0, 0
     with server as srv, httpx.Client(timeout=120) as c:
-        srv = _Url(srv) if isinstance(srv, str) else srv
         def once(text):
             body = {"model": "builtin", "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True},

@@ -190,7 +190,6 @@ class Engine:
             s.insert(0, prompt_ids, max_new_tokens=max(1, min(8, s.max_new_tokens_for(len(prompt_ids)))))
             s.run(1)
             s.run(self.rounds_per_dispatch)
-            s.poll(lag=1)
             s.poll()
             s.release(0)
             s.poll()
