@@ -20,7 +20,10 @@ The adaptive policy maximises expected committed tokens per millisecond:
   ``tiers``; an untried tree is estimated optimistically (each level as ``top_k``
   independent tries), so it is tried once when it might win and then judged on its own
   rounds; with ``None`` among the tiers it falls back to no drafting when no tier beats a
-  plain step.
+  plain step, and tries the longest chain again after ``probe`` plain rounds (a wait that
+  doubles, up to ``probe_max``, each time a try falls straight back, and restarts at ``probe``
+  once drafting has paid again: a poor stretch costs one short wait, a drafter that never
+  pays costs a try every ``probe_max`` rounds).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class Speculation:
     ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
     indices the policy may choose from; ``probe``: after this many rounds without drafting,
     the longest chain is tried again for ``cooldown`` rounds (acceptance is only learned from
-    drafting rounds, so without probes one bad stretch would end drafting for good; 0: never).
+    drafting rounds, so without probes one bad stretch would end drafting for good; 0: never);
+    each try that falls straight back to no drafting doubles the wait, up to ``probe_max``.
     """
 
     tiers: tuple
@@ -53,7 +57,8 @@ class Speculation:
     cooldown: int = 4
     min_tier: int = 0
     max_tier: int | None = None
-    probe: int = 256
+    probe: int = 16
+    probe_max: int = 256
 
     def __post_init__(self):
         tiers = tuple(self.tiers)
@@ -67,6 +72,8 @@ class Speculation:
             raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
         if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 0:
             raise ValueError(f"speculation.probe must be an integer >= 0, got {self.probe!r}")
+        if isinstance(self.probe_max, bool) or not isinstance(self.probe_max, int) or self.probe_max < self.probe:
+            raise ValueError(f"speculation.probe_max must be an integer >= probe ({self.probe}), got {self.probe_max!r}")
         for name in ("warmup", "cooldown"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "cooldown" else 0):
@@ -115,6 +122,8 @@ class Controller:
     trials: jax.Array  # [D] decayed offered counts per draft position (chains)
     mean: jax.Array  # [T] running committed tokens per round, per tier
     tried: jax.Array  # [T] bool
+    wait: jax.Array  # plain rounds before the next try of drafting
+    probed: jax.Array  # bool: the current tier was entered by such a try
     round_ms: jax.Array  # [T] milliseconds per round, per tier
 
 
@@ -122,12 +131,13 @@ def fresh(spec: Speculation) -> dict:
     """What the policy knows before any round: nothing (``learned`` of a new controller)."""
     D, T = max(spec.positions, 1), len(spec.tiers)
     return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
-            "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool)}
+            "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe)}
 
 
 def learned(ctl: Controller) -> dict:
     """The estimates a later call may start from (its round costs are measured anew)."""
-    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "mean": ctl.mean, "tried": ctl.tried}
+    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "mean": ctl.mean, "tried": ctl.tried,
+            "wait": ctl.wait}
 
 
 def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
@@ -136,7 +146,7 @@ def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     prior = fresh(spec) if prior is None else prior
     start = 0 if spec.policy == "fixed" else _warmup_tier(spec)
     ctl = Controller(jnp.int32(start), jnp.int32(spec.cooldown), prior["rounds"], prior["hits"], prior["trials"],
-                     prior["mean"], prior["tried"], jnp.asarray(round_ms, jnp.float32))
+                     prior["mean"], prior["tried"], prior["wait"], jnp.bool_(False), jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
 
@@ -201,10 +211,17 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     warm_tier = jnp.int32(_warmup_tier(spec))
     switch = ((ctl.since >= spec.cooldown) | (ctl.rounds == spec.warmup)) & (best != ctl.tier)  # free after warm-up
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
+    wait, probed = ctl.wait, ctl.probed
     if None in spec.tiers and spec.probe and spec.tiers[_warmup_tier(spec)] is not None:
-        probing = ~warming & (ctl.tier == spec.tiers.index(None)) & (ctl.since >= spec.probe)
+        none = spec.tiers.index(None)
+        probing = ~warming & (ctl.tier == none) & (ctl.since >= ctl.wait)
         tier = jnp.where(probing, warm_tier, tier)
-    return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since))
+        # back to no drafting straight from a try: wait twice as long; after drafting paid: the shortest wait
+        dropped = (tier == none) & (ctl.tier != none)
+        wait = jnp.where(dropped, jnp.where(ctl.probed & (ctl.since <= spec.cooldown), jnp.minimum(2 * ctl.wait, spec.probe_max), spec.probe), wait)
+        probed = jnp.where(tier != ctl.tier, probing, probed)
+    return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since), wait=wait,
+                               probed=probed)
 
 
 # What the adaptive policy learned (acceptance, tokens per round per tier), per (models,

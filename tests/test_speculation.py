@@ -90,12 +90,14 @@ def test_poor_drafter_falls_back_to_no_drafting():
     assert rest.count("none") >= 0.8 * len(rest), rest
     want = eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
     assert res.tokens == want
-    # with probes, drafting is tried again after every `probe` plain rounds (and dropped again)
-    spec = Speculation((None, TreeConfig.chain(4), TreeConfig(16, 4, 4)), warmup=2, cooldown=2, probe=8)
+    # drafting is tried again after `probe` plain rounds, and each try that falls straight back
+    # doubles the wait, up to `probe_max`: runs of 4, 8, 16, 16, ... plain rounds between tries
+    spec = Speculation((None, TreeConfig.chain(4), TreeConfig(16, 4, 4)), warmup=2, cooldown=2, probe=4, probe_max=16)
     res = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=64, speculation=spec, round_ms=(1.0, 1.5, 2.5))
     rest = _after_warmup(res, spec)
-    probes = [i for i in range(1, len(rest)) if rest[i - 1] == "none" and rest[i] != "none"]
-    assert len(probes) >= 2 and all(rest[i - 8:i] == ["none"] * 8 for i in probes), rest
+    runs = [len(r) for r in "".join("n" if t == "none" else "d" for t in rest).split("d") if r]
+    tries = runs[:-1] if rest[-1] == "none" else runs  # the last run may end with the output, before its try
+    assert len(tries) >= 4 and tries == [min(4 * 2 ** k, 16) for k in range(len(tries))], rest
     assert rest.count("none") >= 0.6 * len(rest), rest
     assert res.tokens == want
 
