@@ -116,6 +116,11 @@ def _goods() -> tuple[str, ...]:
     return lexicon()[300::6][:N_GOODS]
 
 
+def task_words() -> tuple[str, ...]:
+    """Every name, town and good the tasks use."""
+    return _names() + _towns() + _goods()
+
+
 @lru_cache(maxsize=1)
 def price_table() -> dict[str, int]:
     """The ``lookup`` tool's ``price`` table: a fixed price (1–99) for each good."""
