@@ -99,6 +99,35 @@ def test_eval_tasks_never_occur_in_training_data():
     assert len(trained) == r.target_tasks + r.drafter_conversations + 20_000 and not held & set(trained)
 
 
+def test_drills_are_answered_by_copying_from_the_prompt():
+    """The recipe's training-only drills: every answer is copied from the prompt (a repeated
+    list, or the other half of a pair), in the families' own words; they are added at the
+    requested share and never cut short."""
+    import re
+
+    from eagle3_jax.train import builtin as recipe_mod
+
+    rng = np.random.default_rng(0)
+    words = set(builtin.task_words()) | {"<", ">"}
+    kinds = set()
+    for _ in range(300):
+        t = recipe_mod.drill(rng)
+        assert t.family == "drill" and t.steps == () and t.response().startswith("<think>\n</think>\n")
+        if m := re.fullmatch(r"Copy: (.+)\.", t.prompt):
+            kinds.add("copy")
+            assert t.answer == m[1] and set(m[1].split()) <= words and m[1].split()[-1] not in "<>"
+        else:
+            m = re.fullmatch(r"Pairs: (.+)\. What (goes with|comes before) (\w+)\?", t.prompt)
+            pairs = [p.split(" ") for p in m[1].split(", ")]
+            kinds.add(m[2])
+            lookup = dict(pairs) if m[2] == "goes with" else {v: k for k, v in pairs}
+            assert len(lookup) == len(pairs) and lookup[m[3]] == t.answer
+    assert kinds == {"copy", "goes with", "comes before"}
+    text = recipe_mod.training_text(400, 3, cut_fraction=0.5, drill_fraction=0.2)
+    drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:"))]
+    assert len(text) == 500 and len(drills) == 100 and not any(cut for _, cut in drills)
+
+
 def dataclass_dict(task):
     import dataclasses
 
