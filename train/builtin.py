@@ -8,7 +8,8 @@ byte-level BPE tokenizer (one token per digit, a ``tool`` role) trained on the t
 the four families (``eagle3_jax.builtin``); the target, a 16-layer Llama trained as a causal
 LM on generated tasks (loss on the assistant turns; 15% of the examples cut their thinking
 short, with no loss on the forced ``</think>``, so that the model answers whatever thinking it
-was allowed but never learns to stop early); the drafter, by the project's own pipeline
+was allowed but never learns to stop early; a fifth of the examples are copy / recall
+drills, :func:`drill`); the drafter, by the project's own pipeline
 (``configs/builtin.yaml``: regenerate → vocab → fit → export) on the target's own first turns;
 then the held-out metrics (per family: accuracy per thinking budget, the tool calls' checks,
 drafter τ per tree, greedy identity) written to ``metrics.json``.
