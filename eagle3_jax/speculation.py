@@ -218,7 +218,8 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
         tier = jnp.where(probing, warm_tier, tier)
         # back to no drafting straight from a try: wait twice as long; after drafting paid: the shortest wait
         dropped = (tier == none) & (ctl.tier != none)
-        wait = jnp.where(dropped, jnp.where(ctl.probed & (ctl.since <= spec.cooldown), jnp.minimum(2 * ctl.wait, spec.probe_max), spec.probe), wait)
+        backoff = jnp.where(ctl.probed & (ctl.since <= spec.cooldown), jnp.minimum(2 * ctl.wait, spec.probe_max), spec.probe)
+        wait = jnp.where(dropped, backoff, wait)
         probed = jnp.where(tier != ctl.tier, probing, probed)
     return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since), wait=wait,
                                probed=probed)

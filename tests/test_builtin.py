@@ -126,6 +126,8 @@ def test_drills_are_answered_by_copying_from_the_prompt():
     text = recipe_mod.training_text(400, 3, cut_fraction=0.5, drill_fraction=0.2)
     drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:"))]
     assert len(text) == 500 and len(drills) == 100 and not any(cut for _, cut in drills)
+    with pytest.raises(ValueError, match="drill_fraction"):
+        recipe_mod.training_text(4, 3, drill_fraction=1.0)
 
 
 def dataclass_dict(task):

@@ -113,6 +113,8 @@ def training_text(n: int, seed: int, cut_fraction: float = 0.0, drill_fraction: 
     """Chat conversations for ``n`` tasks, each with whether its thinking was cut short
     (``cut_fraction`` of them think only part of the way); ``drill_fraction`` > 0 adds
     :func:`drill` examples so that they make up that share, shuffled in."""
+    if not 0.0 <= drill_fraction < 1.0:
+        raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction!r}")
     rng = np.random.default_rng(seed + 7)
     out = []
     for task in builtin.make_tasks(n, seed):
