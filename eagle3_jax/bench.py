@@ -122,7 +122,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
               log=print) -> dict:
     """Runs vanilla and EAGLE-3 per tree budget (a ``TreeConfig``, or a ``Speculation`` of
     tiers with its policy, reported as ``adaptive``) on the same prompts (each timed as the
-    fastest of ``repeats`` runs, compilation excluded); returns a JSON-able report.
+    fastest of ``repeats`` passes, compilation excluded; the passes interleave the modes batch
+    by batch); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
     ``categories[i]``: prompt ``i``'s category (e.g. a task family): each category's prompts
@@ -136,18 +137,28 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     groups = category_groups(len(prompts), categories)
     cats = [] if categories is None else list(groups)
 
-    def run(drafter_, tree):  # per prompt tokens; per category seconds and chunk statistics
-        tokens, seconds, stats = [None] * len(prompts), {}, {}
-        for cat, idx in groups.items():
-            for j in range(0, len(idx), batch_size):
-                ids = idx[j:j + batch_size]
-                runs = [generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
-                                 speculation=tree, **sampling, **(generate_kw or {})) for _ in range(repeats)]
-                for i, t in zip(ids, runs[0].tokens):
-                    tokens[i] = t
-                seconds[cat] = seconds.get(cat, 0.0) + min(r.stats["seconds"] for r in runs)
-                stats.setdefault(cat, []).append(runs[0].stats)
-        return tokens, seconds, stats
+    modes = [(None, None), *((drafter, tree) for tree in trees)]  # vanilla first
+    chunks = [(cat, idx[j:j + batch_size]) for cat, idx in groups.items() for j in range(0, len(idx), batch_size)]
+    # per mode: per prompt tokens, per category seconds and chunk statistics (of the first pass)
+    results = [([None] * len(prompts), {}, {}) for _ in modes]
+    fastest: dict = {}
+    # the passes interleave the modes chunk by chunk (in an order that rotates each pass), so
+    # that a slow spell of a shared machine falls on every mode alike, not on one of them
+    for r in range(repeats):
+        for c, (cat, ids) in enumerate(chunks):
+            for m in (*range(r % len(modes), len(modes)), *range(r % len(modes))):
+                drafter_, tree = modes[m]
+                out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
+                               speculation=tree, **sampling, **(generate_kw or {}))
+                fastest[m, c] = min(fastest.get((m, c), math.inf), out.stats["seconds"])
+                if r == 0:
+                    tokens, _, stats = results[m]
+                    for i, t in zip(ids, out.tokens):
+                        tokens[i] = t
+                    stats.setdefault(cat, []).append(out.stats)
+    for (m, c), sec in fastest.items():
+        seconds = results[m][1]
+        seconds[chunks[c][0]] = seconds.get(chunks[c][0], 0.0) + sec
 
     def graded(tokens):
         return None if grade is None else [bool(grade(i, t)) for i, t in enumerate(tokens)]
@@ -155,7 +166,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     def mean(values, idx):
         return None if values is None else sum(values[i] for i in idx) / len(idx)
 
-    base_tokens, base_s, _ = run(None, None)
+    base_tokens, base_s, _ = results[0]
     base_correct = graded(base_tokens)
 
     def vanilla_row(idx, seconds):
@@ -173,8 +184,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
               "vanilla": vanilla, "eagle3": []}
     log(f"[T={temperature}] vanilla: {vanilla['tokens']} tokens in {vanilla['seconds']:.2f}s = "
         f"{vanilla['tokens_per_second']:.1f} tok/s" + (f", accuracy {vanilla['accuracy']:.3f}" if grade else ""))
-    for tree in trees:
-        tokens, secs, stats = run(drafter, tree)
+    for tree, (tokens, secs, stats) in zip(trees, results[1:]):
         correct = graded(tokens)
         adaptive = isinstance(tree, Speculation)
 

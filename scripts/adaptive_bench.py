@@ -1,4 +1,4 @@
-"""Adaptive speculative budget vs static tiers on the built-in pair (greedy, the fastest of --repeats runs each).
+"""Adaptive speculative budget vs static tiers on the built-in pair (greedy, the fastest of --repeats interleaved passes).
 
     python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8] [--repeats 3]
 
@@ -29,7 +29,7 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per mode, the fastest kept (this machine is noisy)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each running every mode batch by batch; the fastest kept (this machine is noisy)")
     ap.add_argument("--json", help="write the reports here")
     args = ap.parse_args(argv)
 

@@ -132,6 +132,33 @@ def test_bench_reports_each_category_and_the_pooled_whole(tiny_pair, batches):
         assert len(r["acceptance_rate"]) == len(e["acceptance_rate"])
 
 
+def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypatch):
+    """Each pass runs every mode on a batch before the next batch, in an order that rotates
+    per pass, and a mode's seconds are the sum over batches of its fastest pass."""
+    calls = []
+
+    def fake_generate(target, drafter, prompts, *, speculation=None, **kw):
+        mode = "vanilla" if drafter is None else "chain2"
+        calls.append((mode, prompts[0][0]))
+        seconds = {0: 5.0, 1: 2.0, 2: 3.0}[(len(calls) - 1) // 4]  # pass 0 slow, pass 1 fastest, pass 2 between
+        return SimpleNamespace(tokens=[[7, 8]] * len(prompts),
+                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]]})
+
+    monkeypatch.setattr(bench, "generate", fake_generate)
+    monkeypatch.setattr(bench, "round_parts", lambda *a, **kw: dict.fromkeys(
+        ("round_ms", "draft_ms", "verify_ms", "catch_up_ms", "commit_ms", "emit_ms", "loop_ms"), 1.0))
+    prompts = [[10, 1], [11, 1], [20, 1], [21, 1]]
+    report = bench.run_bench(object(), object(), prompts, trees=[TreeConfig.chain(2)], max_new_tokens=2,
+                             batch_size=2, repeats=3, log=lambda line: None)
+    v, c = "vanilla", "chain2"
+    assert calls == [(v, 10), (c, 10), (v, 20), (c, 20),   # pass 0: vanilla first
+                     (c, 10), (v, 10), (c, 20), (v, 20),   # pass 1: rotated
+                     (v, 10), (c, 10), (v, 20), (c, 20)]   # pass 2
+    assert report["vanilla"]["seconds"] == pytest.approx(2 * 2.0)
+    assert report["eagle3"][0]["seconds"] == pytest.approx(2 * 2.5)
+    assert report["eagle3"][0]["identical_to_vanilla"]
+
+
 # ---------------------------------------------------------------- the CLI with the built-in pair
 TASKS = [dataclasses.asdict(t) for t in builtin.make_tasks(4, seed=1, exclude=set())]  # qa, math, code, tool
 
