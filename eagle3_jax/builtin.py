@@ -295,6 +295,9 @@ def make_tasks(n: int, seed: int, families=FAMILIES, exclude=None) -> list[Task]
     """``n`` tasks, the families in turn, reproducible from ``seed``.  Training sets pass the
     held-out prompts as ``exclude`` (default: the shipped eval set's, when ``seed`` is not
     the eval seed), so that no eval prompt ever occurs in training data."""
+    unknown = sorted(set(families) - set(GENERATORS))
+    if unknown or not families:
+        raise ValueError(f"families must name some of {FAMILIES}, got {tuple(families)!r}")
     if exclude is None:
         exclude = set() if seed == EVAL_SEED else held_out_prompts()
     rng = np.random.default_rng(seed)
