@@ -68,6 +68,10 @@ def test_tool_check_parts_and_tools():
 def test_tasks_are_reproducible_answered_right_and_short_and_long():
     tasks = builtin.make_tasks(400, seed=3)
     assert tasks == builtin.make_tasks(400, seed=3) and tasks != builtin.make_tasks(400, seed=4)
+    assert [t.family for t in builtin.make_tasks(3, seed=3, families=("code", "qa"))] == ["code", "qa", "code"]
+    for bad in (("qa", "poem"), ()):
+        with pytest.raises(ValueError, match="families must name some of"):
+            builtin.make_tasks(3, seed=3, families=bad)
     for fam in builtin.FAMILIES:
         mine = [t for t in tasks if t.family == fam]
         assert len(mine) == 100
@@ -93,13 +97,10 @@ def test_eval_tasks_never_occur_in_training_data():
     assert all(sum(t["family"] == f for t in shipped) >= 50 for f in builtin.FAMILIES)
     held = {t["prompt"] for t in shipped}
     r = recipe_mod.Recipe()
-    # target's two phases, drafter, tokenizer corpus
-    trained = [c[0]["content"] for n, seed, fams in ((r.target_tasks, r.seed, builtin.FAMILIES),
-                                                     (r.target_tasks, r.seed + 3, r.refine_families),
-                                                     (r.drafter_conversations, r.seed + 2, builtin.FAMILIES),
-                                                     (20_000, r.seed + 1, builtin.FAMILIES))
-               for c, _ in recipe_mod.training_text(n, seed, families=fams)]
-    assert len(trained) == 2 * r.target_tasks + r.drafter_conversations + 20_000 and not held & set(trained)
+    trained = [c[0]["content"] for n, seed in ((r.target_tasks, r.seed), (r.drafter_conversations, r.seed + 2),
+                                               (20_000, r.seed + 1))  # target, drafter, tokenizer corpus
+               for c, _ in recipe_mod.training_text(n, seed)]
+    assert len(trained) == r.target_tasks + r.drafter_conversations + 20_000 and not held & set(trained)
 
 
 def test_drills_are_answered_by_copying_from_the_prompt():
@@ -258,20 +259,14 @@ def test_recipe_runs_end_to_end_scaled_down(tmp_path):
     from eagle3_jax.train import builtin as recipe_mod
 
     recipe = recipe_mod.Recipe(vocab_size=512, hidden_size=64, num_layers=8, intermediate_size=128, num_heads=2,
-                               num_kv_heads=1, target_tasks=300, target_steps=3, refine_steps=2, warmup_steps=1, seq_len=64,
-                               drafter_conversations=16, eval_tasks=4, budgets=(0,))
+                               num_kv_heads=1, target_tasks=300, target_steps=3, warmup_steps=1, seq_len=64, drafter_conversations=16,
+                               eval_tasks=4, budgets=(0,))
     work = tmp_path / "work"
     work.mkdir()
     tok = recipe_mod.build_tokenizer(work, recipe)
     assert len(tok) == 512 and tok.convert_tokens_to_ids(builtin.THINK_CLOSE) != tok.unk_token_id
-    with pytest.raises(FileNotFoundError, match="base_target"):
-        recipe_mod.train_target(work, recipe, tok, "refine")
-    base = recipe_mod.train_target(work, recipe, tok)
-    recipe_mod.export_target(base, tok, work / "base_target")
-    model = recipe_mod.train_target(work, recipe, tok, "refine")  # phase 2 starts from phase 1's export
+    model = recipe_mod.train_target(work, recipe, tok)
     recipe_mod.export_target(model, tok, work / "target")
-    assert [p.name for p in (work / "refine_ckpt").iterdir() if p.name.isdigit()] == ["2"]
-    assert not np.allclose(model.embed[...], base.embed[...])
     recipe_mod.train_drafter(work, recipe, ["fit.steps=2", "fit.save_every=2", "fit.buckets=[64]",
                                             "regenerate.max_new_tokens=16", "draft_vocab_size=128"])
     target = eagle3_jax.load_target(work / "target", dtype="float32")

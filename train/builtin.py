@@ -9,9 +9,7 @@ the four families (``eagle3_jax.builtin``); the target, a 16-layer Llama trained
 LM on generated tasks (loss on the assistant turns; 15% of the examples cut their thinking
 short, with no loss on the forced ``</think>``, so that the model answers whatever thinking it
 was allowed but never learns to stop early; a fifth of the examples are copy / recall
-drills, :func:`drill`), in two phases: from scratch on the four families in turn, then
-("refine") from that export at a lower learning rate on fresh tasks with qa and code twice as
-often; the drafter, by the project's own pipeline
+drills, :func:`drill`); the drafter, by the project's own pipeline
 (``configs/builtin.yaml``: regenerate → vocab → fit → export) on the target's own first turns;
 then the held-out metrics (per family: accuracy per thinking budget, the tool calls' checks,
 drafter τ per tree, greedy identity) written to ``metrics.json``.
@@ -53,18 +51,12 @@ class Recipe:
     target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.15       # share of examples whose thinking is cut short
     drill_fraction: float = 0.2      # share of target examples that are copy / recall drills (training only)
-    target_steps: int = 10_000       # phase 1, from scratch, the four families in turn
+    target_steps: int = 10_000
     target_batch: int = 8
     seq_len: int = 288
     target_lr: float = 3e-3
     warmup_steps: int = 100
     decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
-    # phase 2 ("refine"), from phase 1's exported target on fresh tasks: after phase 1 the
-    # qa fact lookup and the code condition were learned only partly (qa 0.14, code 0.42),
-    # so they come twice as often as math and tool (the families taken in this order, in turn)
-    refine_steps: int = 4_000
-    refine_lr: float = 1e-3
-    refine_families: tuple[str, ...] = ("qa", "code", "math", "qa", "code", "tool")
     drafter_conversations: int = 4000
     eval_tasks: int = 200
     budgets: tuple[int, ...] = (0, 16, 64)  # thinking tokens allowed (plus unlimited)
@@ -117,17 +109,15 @@ def drill(rng: np.random.Generator) -> builtin.Task:
     return builtin.Task("drill", f"Pairs: {pairs}. What comes before {values[i]}?", (), keys[i])
 
 
-def training_text(n: int, seed: int, cut_fraction: float = 0.0, drill_fraction: float = 0.0,
-                  families: tuple[str, ...] = builtin.FAMILIES) -> list[tuple[list[dict], bool]]:
-    """Chat conversations for ``n`` tasks of ``families`` (taken in turn, so a family named
-    twice gets twice the share), each with whether its thinking was cut short
+def training_text(n: int, seed: int, cut_fraction: float = 0.0, drill_fraction: float = 0.0) -> list[tuple[list[dict], bool]]:
+    """Chat conversations for ``n`` tasks, each with whether its thinking was cut short
     (``cut_fraction`` of them think only part of the way); ``drill_fraction`` > 0 adds
     :func:`drill` examples so that they make up that share, shuffled in."""
     if not 0.0 <= drill_fraction < 1.0:
         raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction!r}")
     rng = np.random.default_rng(seed + 7)
     out = []
-    for task in builtin.make_tasks(n, seed, families):
+    for task in builtin.make_tasks(n, seed):
         cut = int(rng.integers(0, len(task.steps))) if rng.random() < cut_fraction else None
         out.append((task.messages(cut), cut is not None))
     if drill_fraction > 0:
@@ -163,53 +153,30 @@ def lm_stream(examples, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate([i for i, _ in pairs]), np.concatenate([m for _, m in pairs]), starts
 
 
-PHASES = ("target", "refine")  # phase 1 from scratch, phase 2 from phase 1's export
-
-
-def _phase(recipe: Recipe, phase: str) -> tuple[int, float, int, tuple[str, ...]]:
-    """(steps, peak learning rate, data seed, families) of a target training phase."""
-    if phase == "target":
-        return recipe.target_steps, recipe.target_lr, recipe.seed, builtin.FAMILIES
-    if phase == "refine":
-        return recipe.refine_steps, recipe.refine_lr, recipe.seed + 3, recipe.refine_families
-    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-
-
-def lr_schedule(recipe: Recipe, phase: str = "target"):
+def lr_schedule(recipe: Recipe):
     """Warmup, constant, linear decay: up to the decay the schedule does not depend on the
     total, so a longer run can resume from any checkpoint taken before its decay began."""
-    steps, peak, _, _ = _phase(recipe, phase)
-    decay_start = int(steps * (1 - recipe.decay_fraction))
+    decay_start = int(recipe.target_steps * (1 - recipe.decay_fraction))
     return optax.join_schedules([
-        optax.linear_schedule(0.0, peak, recipe.warmup_steps),
-        optax.constant_schedule(peak),
-        optax.linear_schedule(peak, peak * 0.05, steps - decay_start),
+        optax.linear_schedule(0.0, recipe.target_lr, recipe.warmup_steps),
+        optax.constant_schedule(recipe.target_lr),
+        optax.linear_schedule(recipe.target_lr, recipe.target_lr * 0.05, recipe.target_steps - decay_start),
     ], [recipe.warmup_steps, decay_start])
 
 
-def train_target(work: Path, recipe: Recipe, tok, phase: str = "target"):
+def train_target(work: Path, recipe: Recipe, tok):
     """Trains the target as a causal LM; windows start at an example boundary and run on
-    into the next examples.  Phase ``"target"`` starts from scratch; ``"refine"`` starts
-    from phase 1's export in ``work/base_target`` (as the recipe saves it, in bfloat16) on
-    fresh tasks.  Checkpoints every 100 steps (``work/<phase>_ckpt``); a re-run resumes."""
+    into the next examples.  Checkpoints every 100 steps; a re-run resumes."""
     from eagle3_jax.models.target import Target
 
-    steps, _, data_seed, families = _phase(recipe, phase)
-    if phase == "target":
-        model = Target(target_config(recipe, tok), rngs=nnx.Rngs(recipe.seed))
-    else:
-        import eagle3_jax
-
-        base = work / "base_target"
-        if not (base / "config.json").exists():
-            raise FileNotFoundError(f"{base}: phase 2 ('refine') starts from phase 1's export, which is missing")
-        model = eagle3_jax.load_target(base, dtype="float32")
+    cfg = target_config(recipe, tok)
+    model = Target(cfg, rngs=nnx.Rngs(recipe.seed))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
-    ids, mask, starts = lm_stream(training_text(recipe.target_tasks, data_seed, recipe.cut_fraction,
-                                                recipe.drill_fraction, families), tok)
+    ids, mask, starts = lm_stream(training_text(recipe.target_tasks, recipe.seed, recipe.cut_fraction,
+                                                recipe.drill_fraction), tok)
     T, B = recipe.seq_len, recipe.target_batch
     starts = starts[starts + T + 1 <= len(ids)]
-    schedule = lr_schedule(recipe, phase)
+    schedule = lr_schedule(recipe)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -225,17 +192,17 @@ def train_target(work: Path, recipe: Recipe, tok, phase: str = "target"):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    ckpt = ocp.CheckpointManager((work / f"{phase}_ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=30))
+    ckpt = ocp.CheckpointManager((work / "target_ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=30))
     first = 0
     if ckpt.latest_step() is not None:
         state = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(
             {"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
         nnx.replace_by_pure_dict(params, state["params"])
         opt_state, first = state["opt_state"], ckpt.latest_step()
-    bar = tqdm(range(first, steps), initial=first, total=steps, desc=phase)
-    with open(work / f"{phase}_metrics.jsonl", "a") as log:
+    bar = tqdm(range(first, recipe.target_steps), initial=first, total=recipe.target_steps, desc="target")
+    with open(work / "target_metrics.jsonl", "a") as log:
         for s in bar:
-            rows = np.random.default_rng([data_seed, s]).choice(starts, B)
+            rows = np.random.default_rng([recipe.seed, s]).choice(starts, B)
             window = ids[rows[:, None] + np.arange(T + 1)]
             wmask = mask[rows[:, None] + np.arange(1, T + 1)]
             params, opt_state, loss = step(params, opt_state, jnp.asarray(window, jnp.int32), jnp.asarray(wmask, jnp.float32))
@@ -243,7 +210,7 @@ def train_target(work: Path, recipe: Recipe, tok, phase: str = "target"):
                 bar.set_postfix(loss=f"{float(loss):.3f}")
                 log.write(json.dumps({"step": s + 1, "loss": float(loss)}) + "\n")
                 log.flush()
-            if (s + 1) % 100 == 0 or s + 1 == steps:
+            if (s + 1) % 100 == 0 or s + 1 == recipe.target_steps:
                 ckpt.save(s + 1, args=ocp.args.StandardSave({"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
     ckpt.wait_until_finished()
     return nnx.merge(graph, params, rest)
@@ -346,19 +313,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="retrain the built-in target and drafter from scratch")
     p.add_argument("--work-dir", default="runs/builtin")
     p.add_argument("--out", default=str(builtin.ASSETS), help="where the pair is installed (the package's assets)")
-    p.add_argument("--target-steps", type=int, default=Recipe.target_steps, help="phase 1 (from scratch)")
-    p.add_argument("--refine-steps", type=int, default=Recipe.refine_steps, help="phase 2 (from phase 1, qa and code twice as often)")
+    p.add_argument("--target-steps", type=int, default=Recipe.target_steps)
     p.add_argument("--stage", choices=["all", "target", "drafter", "eval"], default="all")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, e.g. fit.steps=400")
     args = p.parse_args(argv)
-    recipe = Recipe(target_steps=args.target_steps, refine_steps=args.refine_steps)
+    recipe = Recipe(target_steps=args.target_steps)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(work, recipe)
     if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
-        if not (work / "base_target" / "config.json").exists():
-            _timed(work, "target", lambda: export_target(train_target(work, recipe, tok), tok, work / "base_target"))
-        _timed(work, "refine", lambda: export_target(train_target(work, recipe, tok, "refine"), tok, work / "target"))
+        _timed(work, "target", lambda: export_target(train_target(work, recipe, tok), tok, work / "target"))
     if args.stage in ("all", "drafter") and not (work / "drafter" / "config.json").exists():
         _timed(work, "drafter", lambda: train_drafter(work, recipe, args.overrides))
     if args.stage in ("all", "eval"):
