@@ -10,8 +10,9 @@ changes the output, only how fast it is computed.
 The adaptive policy maximises expected committed tokens per millisecond:
 
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
-  acceptance rates ``a`` (a Laplace-smoothed, exponentially decayed count shared by all chain
-  tiers); for trees, a running mean of their own committed tokens per round (the chain
+  acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
+  position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
+  of all positions together); for trees, a running mean of their own committed tokens per round (the chain
   estimate of their depth until tried); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
+PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of all positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +166,11 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
     i = jnp.arange(1, D + 1)[None]
     offered = (accepted_B[:, None] >= i - 1) & (i <= depth) & drafted_B[:, None]
     took = (accepted_B[:, None] >= i) & (i <= depth) & drafted_B[:, None]
-    chain_round = seen & is_chain
-    hits = jnp.where(chain_round, DECAY * ctl.hits + took.sum(0), ctl.hits)
-    trials = jnp.where(chain_round, DECAY * ctl.trials + offered.sum(0), ctl.trials)
+    # a chain round informs (and ages) only the positions it drafted: the estimates of deeper
+    # positions wait for a longer chain instead of fading to the prior
+    drafted_pos = seen & is_chain & (i[0] <= depth)
+    hits = jnp.where(drafted_pos, DECAY * ctl.hits + took.sum(0), ctl.hits)
+    trials = jnp.where(drafted_pos, DECAY * ctl.trials + offered.sum(0), ctl.trials)
     obs = (w * (accepted_B + 1)).sum() / n
     this = jnp.arange(T) == ctl.tier
     mean = jnp.where(this & seen, jnp.where(ctl.tried, DECAY * ctl.mean + (1 - DECAY) * obs, obs), ctl.mean)
@@ -177,7 +181,10 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
 
 def expected_tokens(ctl: Controller, spec: Speculation):
     """Expected committed tokens per round of each tier (see the module doc)."""
-    a = (ctl.hits + 1.0) / (ctl.trials + 2.0)
+    # each position's rate, shrunk toward the rate of all positions together (itself smoothed
+    # toward 1/2): a position seen in a few rounds borrows from the others
+    pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
+    a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
 
     def tokens(a_D, k: int):  # 1 + Σ_{i≤k} Π_{j≤i} a_j
         return 1.0 + jnp.cumprod(a_D)[:k].sum()

@@ -65,6 +65,31 @@ def test_policy_follows_expected_tokens_per_ms(pair, round_ms, want):
     assert res.tokens == vanilla.tokens
 
 
+def test_deeper_positions_keep_their_estimate_while_a_shorter_chain_runs():
+    """Rounds of chain4 say nothing about draft positions 5 and 6: after a warm-up on chain6
+    and many chain4 rounds, all accepted, chain6 is still expected to commit about two
+    tokens more per round (its deeper positions neither fade to a prior of 1/2 nor fall
+    below what the other positions show), so the policy moves to it when it is cheap enough."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    spec = Speculation((None, TreeConfig.chain(4), TreeConfig.chain(6)), warmup=2, cooldown=4)
+    ctl = speculation.init(spec, (1.0, 1.35, 1.65))
+    everyone = jnp.ones((1,), bool)
+    for depth in (6, 6):  # the warm-up: the longest chain, every draft accepted
+        assert int(ctl.tier) == 2
+        ctl = speculation.update(ctl, spec, jnp.full((1,), depth), everyone)
+    for _ in range(40):  # chain4 held (as a cooldown or a bound would), every draft accepted
+        ctl = speculation.update(dataclasses.replace(ctl, tier=jnp.int32(1), since=jnp.int32(0)), spec,
+                                 jnp.full((1,), 4), everyone)
+    est = np.asarray(speculation.expected_tokens(ctl, spec))
+    assert est[1] == pytest.approx(5.0, abs=0.1) and est[2] > est[1] + 1.5, est
+    for _ in range(spec.cooldown):  # left to itself, it switches once the cooldown has passed
+        ctl = speculation.update(ctl, spec, jnp.full((1,), 4), everyone)
+    assert int(ctl.tier) == 2  # about 6.9 tokens in 1.65 ms beat 5 in 1.35 ms
+
+
 def test_cooldown_and_bounds(pair):
     target, drafter, tok, prompts = pair
     spec = Speculation(TIERS, warmup=1, cooldown=5, min_tier=1)
