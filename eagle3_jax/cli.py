@@ -549,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "when --target has no --prompts (default 4)")
     bench.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     bench.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=1,
-                       help="time each setting as the fastest of N runs")
+                       help="time each setting as the fastest of N passes (each pass runs every mode on a batch before the next)")
     bench.add_argument("--json", default="bench.json", help="write the report here (missing directories are created)")
     bench.add_argument("--figure", default="bench.png", help="write the figure here (.png, .pdf, .svg, ...; missing "
                                                              "directories are created)")
