@@ -12,8 +12,8 @@ The adaptive policy maximises expected committed tokens per millisecond:
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
   acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
   position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
-  of all positions together); for trees, a running mean of their own committed tokens per round (the chain
-  estimate of their depth until tried); 1 for no drafting;
+  of all positions together); for trees, a running mean of their own committed tokens per
+  round (the chain estimate of their depth until tried); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
 * a warm-up of ``warmup`` rounds on the longest chain (they inform every draft position),
