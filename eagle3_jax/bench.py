@@ -146,7 +146,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     # that a slow spell of a shared machine falls on every mode alike, not on one of them
     for r in range(repeats):
         for c, (cat, ids) in enumerate(chunks):
-            for m in (*range(r % len(modes), len(modes)), *range(r % len(modes))):
+            for m in ((k + r) % len(modes) for k in range(len(modes))):
                 drafter_, tree = modes[m]
                 out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
                                speculation=tree, **sampling, **(generate_kw or {}))

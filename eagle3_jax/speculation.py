@@ -33,7 +33,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eagle3_jax.tree import TreeConfig
 
@@ -181,20 +180,24 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
 
 
 def expected_tokens(ctl: Controller, spec: Speculation):
-    """Expected committed tokens per round of each tier (see the module doc), for all tiers at
-    once (a few ops per round of the loop, whatever the number of tiers)."""
+    """Expected committed tokens per round of each tier (see the module doc)."""
     # each position's rate, shrunk toward the rate of all positions together (itself smoothed
     # toward 1/2): a position seen in a few rounds borrows from the others
     pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
-    a_D = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
-    depth_T = np.asarray([0 if t is None else t.path_len - 1 for t in spec.tiers])
-    top_k_T = np.asarray([1 if t is None else t.top_k for t in spec.tiers])
-    tree_T = top_k_T > 1
-    # 1 + Σ_{i≤depth} Π_{j≤i} a_j; a tree level as top_k independent tries (untried: optimistic)
-    a_TxD = jnp.where(tree_T[:, None], 1.0 - (1.0 - a_D[None]) ** top_k_T[:, None], a_D[None])
-    within_TxD = np.arange(a_D.shape[0])[None] < depth_T[:, None]
-    est_T = 1.0 + jnp.where(within_TxD, jnp.cumprod(a_TxD, axis=1), 0.0).sum(1)
-    return jnp.where(tree_T & ctl.tried, ctl.mean, est_T)
+    a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
+
+    def tokens(a_D, k: int):  # 1 + Σ_{i≤k} Π_{j≤i} a_j
+        return 1.0 + jnp.cumprod(a_D)[:k].sum()
+
+    est = []
+    for j, t in enumerate(spec.tiers):
+        if t is None:
+            est.append(jnp.float32(1.0))
+        elif t.top_k == 1:
+            est.append(tokens(a, t.path_len - 1))
+        else:  # untried: optimistic, as if each level offered top_k independent tries
+            est.append(jnp.where(ctl.tried[j], ctl.mean[j], tokens(1.0 - (1.0 - a) ** t.top_k, t.path_len - 1)))
+    return jnp.stack(est)
 
 
 def _warmup_tier(spec: Speculation) -> int:
