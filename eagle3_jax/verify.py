@@ -106,11 +106,25 @@ def row_keys(key, batch: int):
     return key if key.shape == (batch,) else jax.random.split(key, batch)
 
 
+def _all_greedy(s: RowSampling):
+    return (s.temperature == 0).all()
+
+
+GREEDY = SamplingConfig()
+
+
 def sample(key, logits_BxV, s: SamplingConfig | RowSampling):
     """One token per row: argmax when greedy, else a draw from :func:`target_probs`
-    (``key``: one key, or one per row)."""
+    (``key``: one key, or one per row).  Per-row parameters that are all greedy take the
+    greedy path at run time (the same tokens: a greedy row draws from its argmax's one-hot)."""
     if s.greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    if isinstance(s, RowSampling):
+        return jax.lax.cond(_all_greedy(s), lambda: sample(key, logits_BxV, GREEDY), lambda: _draw(key, logits_BxV, s))
+    return _draw(key, logits_BxV, s)
+
+
+def _draw(key, logits_BxV, s: SamplingConfig | RowSampling):
     keys = row_keys(key, logits_BxV.shape[0])
     probs = target_probs(logits_BxV, s)
     return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
@@ -124,8 +138,17 @@ def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig | RowSampling, max_c
     (``-1`` padded), the number of accepted draft tokens, and the bonus token drawn at
     the last accepted node.  Where ``force_B`` is true every child is accepted (its first
     child at each level: a forced chain, see ``tree.forced_chain``); the bonus is still
-    drawn from the target at the chain's end.
+    drawn from the target at the chain's end.  Per-row parameters that are all greedy take
+    the greedy walk at run time (the same result: see :class:`RowSampling`), so a batch of
+    greedy requests in the slot engine pays for no draws.
     """
+    if isinstance(s, RowSampling):
+        return jax.lax.cond(_all_greedy(s), lambda: _verify(tree, logits_BxNxV, key, GREEDY, max_children, force_B),
+                            lambda: _verify(tree, logits_BxNxV, key, s, max_children, force_B))
+    return _verify(tree, logits_BxNxV, key, s, max_children, force_B)
+
+
+def _verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig | RowSampling, max_children: int, force_B=None):
     B, N = tree.tokens.shape
     P = tree.paths.shape[-1]
     children = jax.vmap(children_table, in_axes=(0, None))(tree.parents, max_children)  # [B, N, K]

@@ -155,6 +155,34 @@ def test_target_probs_filters():
     np.testing.assert_allclose(p, [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
 
 
+def test_per_row_sampling_gives_greedy_rows_the_greedy_result():
+    """The slot engine's per-row parameters: all rows greedy (the run-time greedy walk) and a
+    mix of greedy and sampled rows (the sampling walk) both give every greedy row exactly the
+    static greedy walk's path, acceptance and bonus, and ``sample`` its argmax."""
+    rng = np.random.default_rng(0)
+    cfg, B, V = TreeConfig(9, 3, 2), 4, 160
+    trees = [_select(*_random_candidates(rng, cfg), jnp.array([7], jnp.int32), cfg) for _ in range(B)]
+    tree = jax.tree.map(lambda *x: jnp.concatenate(x), *trees)
+    logits = rng.normal(size=(B, cfg.total_tokens, V)).astype(np.float32)
+    for b in range(B):  # make the target agree with a random child (or with none) at each node
+        for n in range(cfg.total_tokens):
+            kids = np.flatnonzero(np.asarray(tree.parents[b]) == n)
+            if len(kids) and rng.random() < 0.7:
+                logits[b, n, int(tree.tokens[b, rng.choice(kids)])] = 9.0
+    logits, key = jnp.asarray(logits), jax.random.split(jax.random.key(3), B)
+    force = jnp.array([True, False, False, False])  # row 0: a forced chain
+    ref = verify_mod.verify(tree, logits, key, verify_mod.SamplingConfig(), cfg.top_k, force)
+    assert int(ref[1][1:].sum()) > 0  # drafts are accepted
+    greedy_rows = verify_mod.RowSampling.of(verify_mod.SamplingConfig(), B)
+    mixed = verify_mod.RowSampling(jnp.array([0.0, 1.0, 0.0, 0.7]), jnp.ones(B), jnp.zeros(B, jnp.int32))
+    for rows, keep in ((greedy_rows, [0, 1, 2, 3]), (mixed, [0, 2])):
+        got = jax.jit(verify_mod.verify, static_argnums=4)(tree, logits, key, rows, cfg.top_k, force)
+        for r, g in zip(ref, got):
+            np.testing.assert_array_equal(np.asarray(r)[keep], np.asarray(g)[keep])
+        drawn = jax.jit(verify_mod.sample)(key, logits[:, 0], rows)
+        np.testing.assert_array_equal(np.asarray(drawn)[keep], np.asarray(jnp.argmax(logits[:, 0], -1))[keep])
+
+
 # ------------------------------------------------------------------ tree invariants
 def _random_candidates(rng, cfg: TreeConfig):
     """Candidate lists with the structure expand() produces (beam-major, cumulative scores)."""
