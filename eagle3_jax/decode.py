@@ -1020,7 +1020,8 @@ def _slot_programs(tgraph, dgraph, tdef, ddef, loop: _Loop):
 
         def insert(tl, dl, *a):
             ts, ds = states(tl, dl)
-            return _slot_insert(tgraph, ts, dgraph, ds, *a, loop=loop)
+            st = _slot_insert(tgraph, ts, dgraph, ds, *a, loop=loop)
+            return st, _slot_snapshot(st)
 
         def rounds(tl, dl, st, cap, tier):
             ts, ds = states(tl, dl)
@@ -1071,9 +1072,10 @@ class Slots:
     the speculation is a fixed tier (the adaptive policy's tier per round depends on the batch).
 
     :meth:`insert`, :meth:`run` and :meth:`release` only dispatch device work; :meth:`poll` is
-    the one host synchronisation.  ``poll(lag=1)`` reads the dispatch before the last one, so a
-    driver can keep the device busy: dispatch round N+1, then read round N while it runs.  Not
-    thread-safe: drive it from one thread.
+    the one host synchronisation.  ``poll(lag=1)`` reads the program (insert or dispatch) before
+    the last one, so a driver can keep the device busy: dispatch round N+1, then read round N
+    while it runs (or a new request's prefill while its first rounds run).  Not thread-safe:
+    drive it from one thread.
 
     Args:
       target, drafter: the pair (``drafter=None``: vanilla decoding).
@@ -1115,7 +1117,7 @@ class Slots:
         self._prompt_phase = [budget.BEFORE] * self.num_slots
         self._tickets = [-1] * self.num_slots  # the request in each slot (insert's serial number)
         self._serial = itertools.count()
-        self._snaps: collections.deque = collections.deque(maxlen=2)  # (snapshot, host meta) of the last dispatches
+        self._snaps: collections.deque = collections.deque(maxlen=2)  # (snapshot, host meta) of the last programs
         learned = policy.fresh(self.spec or _NO_SPEC)
         n_tiers = 1 if self.spec is None else len(self.spec.tiers)
         if round_ms is None and self.spec is not None and self.spec.policy == "adaptive":
@@ -1219,7 +1221,7 @@ class Slots:
         prompt_1xT = np.zeros((1, T), np.int32)
         prompt_1xT[0, : prompt.size] = prompt
         row = lambda v, dtype=np.int32: np.asarray([v], dtype)  # noqa: E731  (numpy: no eager device work)
-        self._state = self._insert_fn(
+        self._state, snap = self._insert_fn(
             *self._leaves, self._state, np.int32(slot), prompt_1xT, row(prompt.size), np.uint32(seed), row(budget_),
             row(phase), np.asarray([stops + [-1] * (self._max_stops - len(stops))], np.int32), row(max_new_tokens),
             row(sampling.temperature, np.float32), row(sampling.top_p, np.float32), row(sampling.top_k))
@@ -1227,6 +1229,7 @@ class Slots:
         self._stops[slot] = set(stops)
         self._prompt_phase[slot] = phase
         self._tickets[slot] = next(self._serial)
+        self._snaps.append((snap, self._meta()))
         return self._tickets[slot]
 
     def run(self, rounds: int):
@@ -1251,9 +1254,10 @@ class Slots:
         """Waits for the dispatched work and returns one ``SlotView`` per slot; a slot whose
         request is seen finished here becomes free.
 
-        ``lag=1`` reads the state as of the dispatch before the last :meth:`run` instead (waiting
-        only for that one; the state now when there is no such dispatch), so the last dispatch
-        keeps the device busy meanwhile.  Its views show the slots as they were then: a slot
+        ``lag=1`` reads the state as of the program before the last (a :meth:`run` or an
+        :meth:`insert`; waiting only for that one; the state now when there is no such program),
+        so the last dispatch keeps the device busy meanwhile: after ``insert`` then ``run``, it
+        reads the new request's first token as soon as its prefill is done while its rounds run.  Its views show the slots as they were then: a slot
         released or filled since shows its previous request (compare ``SlotView.ticket``)."""
         lag = _int_arg("lag", lag, 0, 2)
         if lag and len(self._snaps) == 2:

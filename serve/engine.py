@@ -11,12 +11,13 @@ work on a poll's tokens runs after the next dispatch is issued, so it overlaps t
 work too.  A slot whose request finished on device is free for the next admission when that
 is seen (a dispatch after it finished); one ended by a stop string is released when its text
 is parsed, up to two dispatches later (its surplus tokens are dropped); views read from before
-a request's admission are told apart by their ticket.  ``k`` is 1 while a request waits (a fresh
-admission, or the queue is not empty), so a waiting request's first token or free slot is
-seen a round or two later, not ``k`` rounds later; after that it doubles per dispatch up to
-``rounds_per_dispatch`` (fresh text streams at once, a long answer costs few host syncs).
-When the only active requests are fresh admissions, their first tokens (from the prefill) are
-polled before any round is dispatched.  Nothing here blocks the event loop:
+a request's admission are told apart by their ticket.  An admission's rounds are dispatched
+right after its prefill, and the poll after them reads the prefill's first token (a lagged
+read of the admission), so its first token is seen as soon as the prefill is done and the
+device goes from prefill to rounds without waiting for the host.  ``k`` is 1 while requests
+wait in the queue, so a slot that frees is seen a round or two later, not ``k`` rounds later;
+otherwise it doubles per dispatch up to ``rounds_per_dispatch`` (a long answer costs few host
+syncs; short dispatches would leave the device idle while the host polls).  Nothing here blocks the event loop:
 :meth:`Engine.submit` and :meth:`Request.cancel` only take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
@@ -138,7 +139,7 @@ class Engine:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.max_queue = max_queue
         self.rounds_per_dispatch = rounds_per_dispatch
-        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 after an admission
+        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 while requests wait
         self.metrics = metrics
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -250,8 +251,8 @@ class Engine:
 
     def _step(self) -> bool:
         """One iteration: cancellations, admissions, a dispatch, the host work of the previous
-        poll (while the dispatch runs), then the poll of the dispatch before this one (of the
-        state now when nothing was dispatched); False to stop."""
+        poll (while the dispatch runs), then the poll of the program before this dispatch (the
+        previous dispatch, or this step's last admission); False to stop."""
         with self._cv:
             while not (self._stop or self._waiting or self._cancelled or self.running or self._pending):
                 self._cv.wait()
@@ -286,21 +287,17 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
-        fresh = sum(r.slot is not None for r in admit)
-        dispatched = len(active) > fresh  # only fresh admissions: poll their first tokens first
-        if dispatched:
-            if admit or queued:
-                self._ramp = 1
-            else:
-                self._ramp = min(2 * self._ramp, self.rounds_per_dispatch)
+        if active:
+            self._ramp = 1 if queued else min(2 * self._ramp, self.rounds_per_dispatch)
             self.slots.run(self._ramp)
         pending, self._pending = self._pending, []
         for req, view in pending:  # the previous poll's tokens, while the device runs this dispatch
             if not req.done:
                 self._deliver(req, view)
         if active:
-            # After a dispatch, read the one before it: the device runs this one meanwhile.
-            views = self.slots.poll(lag=1 if dispatched else 0)
+            # After a dispatch, read the program before it (a dispatch, or the last admission's
+            # prefill: its first token): the device runs this dispatch meanwhile.
+            views = self.slots.poll(lag=1)
             self.dispatches += 1
             now = time.perf_counter()
             for req in active:

@@ -188,3 +188,64 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
         assert cli.main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"--port {port}" in err and "cannot listen" in err
+
+
+class _RecordingSlots:
+    """A stand-in for ``decode.Slots`` (one slot, a request of ``n`` tokens, one per program):
+    records the engine's calls; ``poll(lag=1)`` shows the program before the last, as Slots does."""
+
+    num_slots, thinking = 1, None
+
+    def __init__(self, eos: int, n: int = 3):
+        self.stop_ids, self.n, self.calls, self.states, self.ticket = (eos,), n, [], [], -1
+
+    def _program(self, tokens):
+        from eagle3_jax.decode import SlotView
+
+        done = len(tokens) >= self.n
+        self.states.append(SlotView(not done, list(tokens), done, "length" if done else None, 0, len(tokens), "none", {},
+                                    self.ticket))
+
+    def insert(self, slot, prompt_ids, **kw):
+        self.calls.append("insert")
+        self.ticket += 1
+        self._program([5])
+        return self.ticket
+
+    def run(self, rounds):
+        self.calls.append(f"run({rounds})")
+        last = self.states[-1]
+        self._program((last.tokens + [5] * rounds)[: self.n])
+
+    def poll(self, lag=0):
+        self.calls.append(f"poll(lag={lag})")
+        return [self.states[-2 if lag and len(self.states) > 1 else -1]]
+
+    def release(self, slot):
+        self.calls.append("release")
+
+
+def test_engine_runs_an_admission_at_once_and_reads_its_first_token_from_the_prefill(tok):
+    """After an admission the engine dispatches rounds before it polls, and that lagged poll
+    shows the prefill's first token (the device never waits for the host between a prefill and
+    its rounds); the rounds per dispatch then double up to ``rounds_per_dispatch``."""
+    import asyncio
+
+    from eagle3_jax.serve.engine import Engine, Params
+
+    slots = _RecordingSlots(tok.eos_token_id, n=40)
+    engine = Engine(slots, tok, rounds_per_dispatch=8)
+
+    async def go():
+        engine.start()
+        req = engine.submit([1, 2, 3], Params(max_new_tokens=40), split=False)
+        kind, (_, first) = await asyncio.wait_for(req.events.get(), 30)
+        while kind != "done":
+            kind, _ = await asyncio.wait_for(req.events.get(), 30)
+        engine.shutdown()
+        return first, req.result
+
+    first, result = asyncio.run(go())
+    assert slots.calls[:5] == ["insert", "run(2)", "poll(lag=1)", "run(4)", "poll(lag=1)"]
+    assert first == [5] and len(result.tokens) == 40  # the first delta: the prefill's token, read by the first poll
+    assert "poll(lag=0)" not in slots.calls and slots.calls.count("run(8)") >= 2

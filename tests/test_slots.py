@@ -162,8 +162,9 @@ def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog):
 
 
 def test_lagging_poll_after_release_and_reinsert(pair):
-    """``poll(lag=1)`` shows a slot as it was at the dispatch before the last: the released
-    request (its old ticket) until a dispatch after the release is read, then the new one."""
+    """``poll(lag=1)`` shows a slot as it was at the program before the last: a dispatch, or
+    an insert (the new request's prefill and first token, read while its rounds run); a
+    released request shows with its old ticket until a program after the release is read."""
     target, _, tok, prompts = pair
     slots = Slots(target, None, num_slots=1, max_len=128, tokenizer=tok)
     first = slots.insert(0, prompts[0], max_new_tokens=40)
@@ -171,12 +172,16 @@ def test_lagging_poll_after_release_and_reinsert(pair):
     slots.run(2)
     v = slots.poll(lag=1)[0]
     assert v.ticket == first and v.active and len(v.tokens) == 3  # the prefill's token and 2 rounds
+    slots.run(2)
     slots.release(0)
+    slots.run(1)  # nothing is active: a dispatch that does nothing
+    v = slots.poll(lag=1)[0]
+    assert v.ticket == first and v.active and len(v.tokens) == 7  # the dispatch before the release
     second = slots.insert(0, prompts[1], max_new_tokens=5)
     assert second != first
     slots.run(2)
     v = slots.poll(lag=1)[0]
-    assert v.ticket == first and v.active and len(v.tokens) == 5  # the dispatch before the release
+    assert v.ticket == second and v.active and len(v.tokens) == 1  # the insert: its prefill's token
     slots.run(2)
     v = slots.poll(lag=1)[0]
     assert v.ticket == second and len(v.tokens) == 3
