@@ -15,9 +15,11 @@ a request's admission are told apart by their ticket.  An admission's rounds are
 right after its prefill, and the poll after them reads the prefill's first token (a lagged
 read of the admission), so its first token is seen as soon as the prefill is done and the
 device goes from prefill to rounds without waiting for the host.  ``k`` is 1 while requests
-wait in the queue, so a slot that frees is seen a round or two later, not ``k`` rounds later;
-otherwise it doubles per dispatch up to ``rounds_per_dispatch`` (a long answer costs few host
-syncs; short dispatches would leave the device idle while the host polls).  Nothing here blocks the event loop:
+wait in the queue (a slot that frees is seen a round or two later, not ``k`` rounds later) and
+after an admission beside running requests (its text, and the next arrivals, are not held up
+behind long dispatches); otherwise it doubles per dispatch up to ``rounds_per_dispatch`` (a
+long answer costs few host syncs; a lone request starts at once on long dispatches, since
+short ones leave the device idle while the host polls).  Nothing here blocks the event loop:
 :meth:`Engine.submit` and :meth:`Request.cancel` only take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
@@ -139,7 +141,7 @@ class Engine:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.max_queue = max_queue
         self.rounds_per_dispatch = rounds_per_dispatch
-        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 while requests wait
+        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 while requests wait or join
         self.metrics = metrics
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -288,7 +290,8 @@ class Engine:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
         if active:
-            self._ramp = 1 if queued else min(2 * self._ramp, self.rounds_per_dispatch)
+            joined = admit and len(active) > len(admit)  # newcomers beside running requests
+            self._ramp = 1 if queued or joined else min(2 * self._ramp, self.rounds_per_dispatch)
             self.slots.run(self._ramp)
         pending, self._pending = self._pending, []
         for req, view in pending:  # the previous poll's tokens, while the device runs this dispatch
