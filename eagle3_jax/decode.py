@@ -1257,8 +1257,9 @@ class Slots:
         ``lag=1`` reads the state as of the program before the last (a :meth:`run` or an
         :meth:`insert`; waiting only for that one; the state now when there is no such program),
         so the last dispatch keeps the device busy meanwhile: after ``insert`` then ``run``, it
-        reads the new request's first token as soon as its prefill is done while its rounds run.  Its views show the slots as they were then: a slot
-        released or filled since shows its previous request (compare ``SlotView.ticket``)."""
+        reads the new request's first token as soon as its prefill is done, while its rounds
+        run.  Its views show the slots as they were then: a slot released or filled since shows
+        its previous request (compare ``SlotView.ticket``)."""
         lag = _int_arg("lag", lag, 0, 2)
         if lag and len(self._snaps) == 2:
             fetch, (busy, tickets, stops, prompt_phase) = self._snaps[0]

@@ -110,7 +110,7 @@ def _all_greedy(s: RowSampling):
     return (s.temperature == 0).all()
 
 
-GREEDY = SamplingConfig()
+_GREEDY = SamplingConfig()
 
 
 def sample(key, logits_BxV, s: SamplingConfig | RowSampling):
@@ -120,7 +120,7 @@ def sample(key, logits_BxV, s: SamplingConfig | RowSampling):
     if s.greedy:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     if isinstance(s, RowSampling):
-        return jax.lax.cond(_all_greedy(s), lambda: sample(key, logits_BxV, GREEDY), lambda: _draw(key, logits_BxV, s))
+        return jax.lax.cond(_all_greedy(s), lambda: sample(key, logits_BxV, _GREEDY), lambda: _draw(key, logits_BxV, s))
     return _draw(key, logits_BxV, s)
 
 
@@ -143,7 +143,7 @@ def verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig | RowSampling, max_c
     greedy requests in the slot engine pays for no draws.
     """
     if isinstance(s, RowSampling):
-        return jax.lax.cond(_all_greedy(s), lambda: _verify(tree, logits_BxNxV, key, GREEDY, max_children, force_B),
+        return jax.lax.cond(_all_greedy(s), lambda: _verify(tree, logits_BxNxV, key, _GREEDY, max_children, force_B),
                             lambda: _verify(tree, logits_BxNxV, key, s, max_children, force_B))
     return _verify(tree, logits_BxNxV, key, s, max_children, force_B)
 

@@ -290,7 +290,8 @@ class Engine:
                     self.metrics.request_finished(req, "error")
         active = [r for r in self._by_slot if r is not None]
         if active:
-            joined = admit and len(active) > len(admit)  # newcomers beside running requests
+            fresh = sum(r.slot is not None for r in admit)  # admitted (an insert may have refused one)
+            joined = fresh and len(active) > fresh  # newcomers beside running requests
             self._ramp = 1 if queued or joined else min(2 * self._ramp, self.rounds_per_dispatch)
             self.slots.run(self._ramp)
         pending, self._pending = self._pending, []
