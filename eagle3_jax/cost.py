@@ -6,7 +6,8 @@ Two instruments, both on compiled programs:
   each executed XLA op's own time (its duration minus the ops nested in it) to the
   innermost named scope of the round it came from (``draft``, ``verify``,
   ``catch_up``, ``commit``, ``emit``, …, see ``decode.py``), via the op's metadata in
-  the optimized HLO.
+  the optimized HLO; an op XLA made itself (a copy of a loop carry, a fusion without
+  metadata) is charged to the part whose loop or call runs it.
 * :func:`cache_ops` lists the ops of an optimized HLO module whose result is at least
   as large as one layer of the KV cache: copies of cache-sized buffers (what must not
   happen per step), and in-place updates (dynamic-update-slice, scatter).
@@ -29,6 +30,7 @@ import numpy as np
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"\b(?:condition|body|calls|to_apply|branch_computations)=(\{[^}]*\}|%\S+?)(?=[,\s]|$)")
 _NOT_COMPUTED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # aliases, no data moved
 PARTS = ("prefill", "draft", "verify", "commit", "catch_up", "emit", "step")
 
@@ -38,16 +40,35 @@ def _bytes(dtype: str, dims: str) -> int:
 
 
 def op_parts(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name → the innermost round part named in its ``op_name`` (or ``other``)."""
-    parts = {}
+    """HLO instruction name → the innermost round part named in its ``op_name``; an op that
+    names none (XLA's own copies and fusions carry no ``op_name``, nor do ops named outside
+    the parts) is charged to the part of the op that runs its computation (a copy inside the
+    verify's layer loop is the verify's), else ``other``."""
+    own, comp_of, callers = {}, {}, {}
+    comp = None
     for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if head:
+            comp = head.group(1)
+            continue
         m = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
         if not m:
             continue
         op = _OP_NAME.search(line)
         scopes = op.group(1).split("/") if op else []
-        parts[m.group(1)] = next((s for s in reversed(scopes) if s in PARTS), "other")
-    return parts
+        own[m.group(1)] = next((s for s in reversed(scopes) if s in PARTS), None)
+        comp_of[m.group(1)] = comp
+        for called in _CALLED.findall(line):
+            for c in re.findall(r"%(\S+?)(?:[,}]|$)", called):
+                callers.setdefault(c, m.group(1))
+
+    def part(name: str, seen=()) -> str:
+        if own.get(name):
+            return own[name]
+        caller = callers.get(comp_of.get(name))
+        return part(caller, (*seen, name)) if caller is not None and caller not in seen else "other"
+
+    return {name: part(name) for name in own}
 
 
 def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str]]:

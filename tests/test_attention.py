@@ -108,3 +108,50 @@ def test_decode_loop_copies_no_cache(tree, monkeypatch):
     ops = cost.cache_ops(compiled.as_text(), layer_bytes)
     assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []
     assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
+
+
+_HLO_PARTS = """\
+HloModule jit__run
+
+%layer_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %copy.1 = f32[4]{0} copy(%gte.1)
+  ROOT %fusion.2 = (s32[], f32[4]) fusion(%copy.1), kind=kLoop, calls=%fused_add
+}
+
+%fused_add (q: f32[4]) -> (s32[], f32[4]) {
+  ROOT %add.3 = f32[4]{0} add(%q, %q), metadata={op_name="jit(_run)/while/body/verify/add"}
+}
+
+%round_body (r: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %while.4 = (s32[], f32[4]) while(%t), condition=%layer_cond, body=%layer_body, metadata={op_name="jit(_run)/while/body/verify/while"}
+  %copy.5 = s32[] copy(%gte.5)
+  %fusion.6 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(_run)/while/body/catch_up/mul"}
+  ROOT %tuple.7 = (s32[], f32[4]) tuple(%copy.5, %fusion.6)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %copy.8 = f32[4]{0} copy(%a)
+  %while.9 = (s32[], f32[4]) while(%t0), condition=%round_cond, body=%round_body, metadata={op_name="jit(_run)/while"}
+  ROOT %conditional.10 = f32[4]{0} conditional(%i, %x), branch_computations={%branch_a, %branch_b}, metadata={op_name="jit(_run)/draft/cond"}
+}
+
+%branch_b (b: f32[4]) -> f32[4] {
+  ROOT %copy.11 = f32[4]{0} copy(%b)
+}
+"""
+
+
+def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
+    """An op without a part in its ``op_name`` (XLA's copies, fusions it made) belongs to the
+    part of the op that runs its computation, through every level of nesting; ops outside
+    any part (the loop's own carry copies, the entry) are ``other``."""
+    parts = cost.op_parts(_HLO_PARTS)
+    assert parts["copy.1"] == "verify"  # a copy XLA put in the verify's layer loop
+    assert parts["fusion.2"] == "verify"
+    assert parts["add.3"] == "verify"
+    assert parts["while.4"] == "verify"
+    assert parts["copy.5"] == "other"  # the round loop's bookkeeping
+    assert parts["fusion.6"] == "catch_up"
+    assert parts["copy.8"] == "other" and parts["while.9"] == "other"
+    assert parts["copy.11"] == "draft"  # a branch of a conditional named in the draft
