@@ -62,11 +62,10 @@ def op_parts(hlo_text: str) -> dict[str, str]:
             for c in re.findall(r"%(\S+?)(?:[,}]|$)", called):
                 callers.setdefault(c, m.group(1))
 
-    def part(name: str, seen=()) -> str:
-        if own.get(name):
-            return own[name]
-        caller = callers.get(comp_of.get(name))
-        return part(caller, (*seen, name)) if caller is not None and caller not in seen else "other"
+    def part(name: str | None) -> str:  # up the callers (HLO's call graph has no cycles)
+        while name is not None and own.get(name) is None:
+            name = callers.get(comp_of.get(name))
+        return "other" if name is None else own[name]
 
     return {name: part(name) for name in own}
 
