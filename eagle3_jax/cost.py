@@ -9,8 +9,9 @@ Two instruments, both on compiled programs:
   the optimized HLO; an op XLA made itself (a copy of a loop carry, a fusion without
   metadata) is charged to the part whose loop or call runs it.
 * :func:`cache_ops` lists the ops of an optimized HLO module whose result is at least
-  as large as one layer of the KV cache: copies of cache-sized buffers (what must not
-  happen per step), and in-place updates (dynamic-update-slice, scatter).
+  as large as one layer of the KV cache: copies of cache-sized buffers, dtype conversions
+  included (what must not happen per step), and in-place updates (dynamic-update-slice,
+  scatter).
 
 ``eagle3-jax bench --cost`` prints both for the vanilla step and the speculative round.
 """
@@ -32,6 +33,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLED = re.compile(r"\b(?:condition|body|calls|to_apply|branch_computations)=(\{[^}]*\}|%\S+?)(?=[,\s]|$)")
 _NOT_COMPUTED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # aliases, no data moved
+_COPIES = {"copy", "convert", "bitcast-convert"}  # rewrite a whole buffer
 PARTS = ("prefill", "draft", "verify", "commit", "catch_up", "emit", "step")
 
 
@@ -70,11 +72,11 @@ def op_parts(hlo_text: str) -> dict[str, str]:
     return {name: part(name) for name in own}
 
 
-def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str]]:
+def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str, tuple[int, ...]]]:
     """Every op of an optimized HLO module (outside fused computations) with a result of
-    ``min_bytes`` or more: ``(name, op, bytes, computation)``.  A fusion is named by the op
-    at its root; ``computation`` is ``ENTRY`` for ops that run once per call, else the loop
-    body or called computation that holds them (run per iteration)."""
+    ``min_bytes`` or more: ``(name, op, bytes, computation, dims)``.  A fusion is named by
+    the op at its root; ``computation`` is ``ENTRY`` for ops that run once per call, else the
+    loop body or called computation that holds them (run per iteration)."""
     roots, comp_of, found = {}, {}, []
     comp = None
     lines = hlo_text.splitlines()
@@ -99,17 +101,19 @@ def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str]]:
         if op == "fusion":
             called = re.search(r"calls=%([\w.-]+)", line)
             op = roots.get(called.group(1), "fusion") if called else "fusion"
-        found.append((name, op, size, comp_of[name]))
+        found.append((name, op, size, comp_of[name], tuple(int(d) for d in dims.split(",") if d)))
     return found
 
 
-def cache_ops(hlo_text: str, min_bytes: int) -> dict:
+def cache_ops(hlo_text: str, min_bytes: int, slots: int | None = None) -> dict:
     """The ops of :func:`large_ops` that copy or update a buffer of ``min_bytes`` or more
-    (one cache layer, say): ``{"copy": [...], "in_place": [...]}``.  A ``copy`` of that size
-    inside a loop is a cache copy per iteration; dynamic-update-slice and scatter are
-    updates in place (XLA aliases their buffer)."""
-    ops = large_ops(hlo_text, min_bytes)
-    return {"copy": [o for o in ops if o[1] == "copy"],
+    (one cache layer, say) and, when ``slots`` is given, with a dimension of that many
+    (the cache's): ``{"copy": [...], "in_place": [...]}``.  A ``copy`` of that size inside a
+    loop is a cache copy per iteration, and so is a conversion of it to another dtype
+    (``convert``, ``bitcast-convert``: XLA:CPU's way of updating a 16-bit float buffer);
+    dynamic-update-slice and scatter are updates in place (XLA aliases their buffer)."""
+    ops = [o for o in large_ops(hlo_text, min_bytes) if slots is None or slots in o[4]]
+    return {"copy": [o for o in ops if o[1] in _COPIES],
             "in_place": [o for o in ops if o[1] in ("dynamic-update-slice", "scatter")]}
 
 
@@ -175,6 +179,7 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
     vanilla and speculative: ms per step / round, the round's parts (profiler), and the
     cache-sized copies XLA left inside the loop."""
     from eagle3_jax.decode import compile_generate
+    from eagle3_jax.kv_cache import storage_dtype
 
     out = {"max_new_tokens": max_new_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
@@ -185,8 +190,8 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
         parts = profile_parts(compiled, *args, repeats=3)
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
-        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(target.dtype).itemsize
-        ops = cache_ops(compiled.as_text(), layer_bytes)
+        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * storage_dtype(target.dtype, target.attention_impl).itemsize
+        ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
         loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
         round_us = {k: v / max(rounds, 1) for k, v in parts.items()}
         out[mode] = {"rounds": rounds, "tokens": int(np.asarray(n_out)[0]), "cache_slots": max_len,

@@ -87,16 +87,18 @@ def test_cost_follows_the_live_prefix_not_the_capacity():
     assert cost.large_ops(hlo, layer_bytes) == []
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig.chain(3), TreeConfig(8, 2, 2),
-                                  Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2)))],
-                         ids=["vanilla", "chain3", "tree", "adaptive"])
-def test_decode_loop_copies_no_cache(tree, monkeypatch):
-    """In the optimized HLO of the whole decode loop, no cache-sized buffer is copied inside
-    the loop (KV writes, commit and the drafter's catch-up update the caches in place), also
-    when an adaptive policy switches between tiers and bursts of plain steps."""
+@pytest.mark.parametrize("tree,dtype", [(None, None), (TreeConfig.chain(3), None), (TreeConfig(8, 2, 2), None),
+                                        (Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2))), None),
+                                        (TreeConfig.chain(3), "bfloat16")],
+                         ids=["vanilla", "chain3", "tree", "adaptive", "chain3-bfloat16"])
+def test_decode_loop_copies_no_cache(tree, dtype, monkeypatch):
+    """In the optimized HLO of the whole decode loop, no cache-sized buffer is copied or
+    converted inside the loop (KV writes, commit and the drafter's catch-up update the caches
+    in place), also when an adaptive policy switches between tiers and bursts of plain steps,
+    and with bfloat16 weights (which XLA:CPU would update by converting the whole cache)."""
     monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
     monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype=dtype)
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
     spec = tree if isinstance(tree, Speculation) else Speculation.fixed(tree or TreeConfig())
     compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]], max_new_tokens=40, speculation=spec,
@@ -104,8 +106,8 @@ def test_decode_loop_copies_no_cache(tree, monkeypatch):
     assert int(compiled(*args)["n_out"][0]) > 0
     cfg = target.config
     max_len = 32 + 40 + (spec.scratch if tree else 1)
-    layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4
-    ops = cost.cache_ops(compiled.as_text(), layer_bytes)
+    layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4  # a float32 layer (what a bfloat16 one converts to)
+    ops = cost.cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
     assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []
     assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
 

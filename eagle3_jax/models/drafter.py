@@ -14,7 +14,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import DrafterConfig, RopeConfig
-from eagle3_jax.kv_cache import KVCache, init_cache, write
+from eagle3_jax.kv_cache import KVCache, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, fan_in_normal, ones
 
 
@@ -171,4 +171,4 @@ class Drafter(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.config
-        return init_cache(1, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return init_cache(1, batch, max_len, cfg.num_kv_heads, cfg.head_dim, storage_dtype(self.dtype))

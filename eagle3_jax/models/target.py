@@ -17,7 +17,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import RopeConfig, TargetConfig
-from eagle3_jax.kv_cache import KVCache, advance, init_cache, write
+from eagle3_jax.kv_cache import KVCache, advance, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, normal, ones, zeros
 
 
@@ -153,7 +153,8 @@ class Target(nnx.Module):
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
                              "sliding-window attention is not implemented")
-        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
+                          storage_dtype(self.dtype, self.attention_impl))
 
     def prefill(self, tokens_BxT, lengths_B, max_len: int):
         """Runs right-padded prompts into a fresh cache of ``max_len`` slots.
