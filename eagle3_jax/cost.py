@@ -190,7 +190,8 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
         parts = profile_parts(compiled, *args, repeats=3)
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
-        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * storage_dtype(target.dtype, target.attention_impl).itemsize
+        item = storage_dtype(target.dtype, target.attention_impl).itemsize
+        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * item
         ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
         loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
         round_us = {k: v / max(rounds, 1) for k, v in parts.items()}
