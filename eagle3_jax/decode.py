@@ -381,15 +381,13 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State
         body = burst if tiers[0] is None else tier_rounds(0)
     else:
         # One loop per tier, in turn: each runs its tier's rounds while the policy keeps it (the
-        # None tier as bursts).  Straight-line rounds, no conditional around the caches: XLA
-        # would copy buffers into and out of the branches of a switch.
+        # None tier as bursts, so that a pass that does not stop there runs no catch-up).
+        # Straight-line rounds, no conditional around the caches: XLA would copy buffers into
+        # and out of the branches of a switch.
         def body(s):
             for i, t in enumerate(tiers):
-                if t is None:
-                    s = burst(s)
-                else:
-                    s = jax.lax.while_loop(lambda s, i=i: _going(s, cap) & (_tier(s, force_tier) == i),
-                                           tier_rounds(i), s)
+                s = jax.lax.while_loop(lambda s, i=i: _going(s, cap) & (_tier(s, force_tier) == i),
+                                       burst if t is None else tier_rounds(i), s)
             return s
 
     return jax.lax.while_loop(lambda s: _going(s, cap), body, dataclasses.replace(st, step=jnp.int32(0)))
