@@ -179,7 +179,6 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
     vanilla and speculative: ms per step / round, the round's parts (profiler), and the
     cache-sized copies XLA left inside the loop."""
     from eagle3_jax.decode import compile_generate
-    from eagle3_jax.kv_cache import storage_dtype
 
     out = {"max_new_tokens": max_new_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
@@ -190,8 +189,7 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
         parts = profile_parts(compiled, *args, repeats=3)
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
-        item = storage_dtype(target.dtype, target.attention_impl).itemsize
-        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * item
+        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
         ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
         loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
         round_us = {k: v / max(rounds, 1) for k, v in parts.items()}

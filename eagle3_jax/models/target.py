@@ -153,8 +153,12 @@ class Target(nnx.Module):
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
                              "sliding-window attention is not implemented")
-        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                          storage_dtype(self.dtype, self.attention_impl))
+        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.cache_dtype)
+
+    @property
+    def cache_dtype(self):
+        """The dtype of this model's KV cache (``kv_cache.storage_dtype``)."""
+        return storage_dtype(self.dtype, self.attention_impl)
 
     def prefill(self, tokens_BxT, lengths_B, max_len: int):
         """Runs right-padded prompts into a fresh cache of ``max_len`` slots.
