@@ -133,22 +133,28 @@ def fresh(spec: Speculation) -> dict:
     """What the policy knows before any round: nothing (``learned`` of a new controller)."""
     D, T = max(spec.positions, 1), len(spec.tiers)
     return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
-            "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe)}
+            "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe),
+            "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
+            "probed": jnp.bool_(False)}
 
 
 def learned(ctl: Controller) -> dict:
-    """The estimates a later call may start from (its round costs are measured anew)."""
+    """What a later call starts from (its round costs are measured anew): the estimates, and
+    where the policy stands (its tier, the rounds since the last switch, the wait before the
+    next try of drafting), so that a drafter that never pays is tried every ``probe_max``
+    plain rounds over all the calls, not at each call's start."""
     return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "mean": ctl.mean, "tried": ctl.tried,
-            "wait": ctl.wait}
+            "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since, "probed": ctl.probed}
 
 
 def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     """A controller for a new call, from ``prior`` (``learned`` of an earlier call with the
-    same models and tiers: no second warm-up) or from nothing; picks its first tier."""
+    same models and tiers: it goes on where that call stopped, with no second warm-up) or
+    from nothing; picks its first tier."""
     prior = fresh(spec) if prior is None else prior
-    start = 0 if spec.policy == "fixed" else _warmup_tier(spec)
-    ctl = Controller(jnp.int32(start), jnp.int32(spec.cooldown), prior["rounds"], prior["hits"], prior["trials"],
-                     prior["mean"], prior["tried"], prior["wait"], jnp.bool_(False), jnp.asarray(round_ms, jnp.float32))
+    ctl = Controller(prior["tier"], prior["since"], prior["rounds"], prior["hits"],
+                     prior["trials"], prior["mean"], prior["tried"], prior["wait"], prior["probed"],
+                     jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
 
