@@ -1,6 +1,6 @@
 """Adaptive speculative budget vs static tiers on the built-in pair (greedy, the fastest of --repeats interleaved passes).
 
-    python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8] [--repeats 3]
+    python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8] [--repeats 3] [--drafters trained untrained]
 
 For each batch size: vanilla, each static tier, and the adaptive policy over those tiers
 (plus no drafting), with the trained drafter and with an untrained drafter of the same shape
@@ -30,6 +30,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each running every mode batch by batch; the fastest kept (this machine is noisy)")
+    ap.add_argument("--drafters", nargs="+", choices=("trained", "untrained"), default=["trained", "untrained"],
+                    help="the built-in drafter and/or an untrained one of the same shape")
     ap.add_argument("--json", help="write the reports here")
     args = ap.parse_args(argv)
 
@@ -40,6 +42,8 @@ def main(argv=None):
     trees = [parse_tree(t) for t in TIERS]
     reports = []
     for name, d in (("trained", drafter), ("untrained", untrained)):
+        if name not in args.drafters:
+            continue
         for batch in args.batch_sizes:
             print(f"--- {name} drafter, batch {batch}")
             rep = run_bench(target, d, prompts, trees=[*trees, Speculation((None, *trees))],
