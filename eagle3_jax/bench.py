@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
-from eagle3_jax.decode import acceptance, generate
+from eagle3_jax.decode import generate
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
@@ -191,7 +192,10 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         def row(idx, seconds, stats_, base):
             n = sum(len(tokens[i]) for i in idx)
             acc = [a for st in stats_ for r in st["accept_lengths"] for a in r]
-            tau, rate = acceptance(acc, tree.positions if adaptive else tree.path_len - 1)
+            tau = float(np.mean(acc) + 1) if acc else 0.0
+            took, offered = (np.sum([st[k] for st in stats_], axis=0)
+                             for k in ("accepted_per_position", "offered_per_position"))
+            rate = [float(a / max(o, 1)) for a, o in zip(took, offered)]
             out = {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": n / seconds,
                    "speedup": (n / seconds) / base["tokens_per_second"], "tau": tau, "rounds": len(acc),
                    "acceptance_rate": rate, "accuracy": mean(correct, idx),

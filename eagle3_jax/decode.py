@@ -36,7 +36,9 @@ class GenerateResult:
 
     ``stats``: ``rounds`` (per sequence), ``accept_lengths`` (accepted draft tokens per
     round, per sequence), ``tau`` (mean over rounds of accepted + 1), ``acceptance_rate``
-    (per draft position i: P(position i accepted | positions < i accepted)),
+    (per draft position i: P(position i accepted | positions < i accepted), over the rounds
+    whose tier drafted position i), ``accepted_per_position`` / ``offered_per_position``
+    (those rounds' counts),
     ``proposed`` / ``accepted`` / ``committed`` token counts, ``new_tokens``,
     ``forced_rounds``, ``seconds`` and ``tokens_per_second`` (wall clock, compilation
     excluded); with a drafter, ``tier_per_round`` / ``tier_rounds`` (the speculation tier
@@ -853,26 +855,22 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
 generate.__doc__ = generate.__doc__.replace("{thinking}", _THINKING_DOC.rstrip() + "\n")
 
 
-def acceptance(accept_lengths, positions: int) -> tuple[float, list[float]]:
-    """``(τ, rate per draft position)`` from accepted-draft counts per round: τ = mean of
-    accepted + 1; rate[i-1] = P(position i accepted | positions < i accepted)."""
-    flat = np.asarray(accept_lengths, np.int64).reshape(-1)
-    rate = [float((flat >= i).sum() / max((flat >= i - 1).sum(), 1)) for i in range(1, positions + 1)]
-    return (float((flat + 1).mean()) if flat.size else 0.0), rate
-
-
-def _round_stats(accept_BxR, rounds_mask_BxR, proposed_BxR, positions: int) -> dict:
+def _round_stats(accept_BxR, rounds_mask_BxR, proposed_BxR, depth_BxR, positions: int) -> dict:
+    """Statistics of the drafted rounds in ``rounds_mask``; ``depth``: the draft positions of
+    each round's tier (a position deeper than its round's tier was not offered in it)."""
     drafted = rounds_mask_BxR & (accept_BxR >= 0)
     acc = [row[m].tolist() for row, m in zip(accept_BxR, drafted)]
-    rounds = [len(a) for a in acc]
-    tau, rate = acceptance([a for row in acc for a in row], positions)
-    flat = np.asarray([a for row in acc for a in row], np.int64)
+    flat, depth = accept_BxR[drafted].astype(np.int64), depth_BxR[drafted]
+    i = np.arange(1, positions + 1)[:, None]
+    accepted = (flat[None] >= i).sum(1)
+    offered = ((flat[None] >= i - 1) & (depth[None] >= i)).sum(1)
     return {
-        "rounds": rounds,
+        "rounds": [len(a) for a in acc],
         "accept_lengths": acc,
-        "tau": tau,
-        "acceptance_rate": rate,
-        "accepted_per_position": [int((flat >= i).sum()) for i in range(1, positions + 1)],
+        "tau": float((flat + 1).mean()) if flat.size else 0.0,
+        "acceptance_rate": [float(a / max(o, 1)) for a, o in zip(accepted, offered)],
+        "accepted_per_position": accepted.tolist(),
+        "offered_per_position": offered.tolist(),
         "proposed": int((drafted * proposed_BxR).sum()),
         "accepted": int(sum(map(sum, acc))),
     }
@@ -886,9 +884,10 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
     tiers = (None,) if spec is None else spec.tiers
     tier_BxR = res.get("round_tier", np.zeros(accept.shape, np.int64))
     proposed_BxR = np.array([0 if t is None else t.total_tokens - 1 for t in tiers])[tier_BxR]
+    depth_BxR = np.array([0 if t is None else t.path_len - 1 for t in tiers])[tier_BxR]
     positions = 0 if spec is None else spec.positions
     new_tokens = int(n_out.sum())
-    stats = _round_stats(accept, np.ones_like(accept, bool), proposed_BxR, positions)
+    stats = _round_stats(accept, np.ones_like(accept, bool), proposed_BxR, depth_BxR, positions)
     names = [policy.tier_name(t) for t in tiers]
     stats.update({
         "forced_rounds": int((accept == -2).sum()),
@@ -906,9 +905,9 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
     if "round_thinking" in res:
         rt, thinking = res["round_thinking"], res["thinking"]
         stats["phases"] = {
-            "thinking": {**_round_stats(accept, rt, proposed_BxR, positions), "committed": int(thinking.sum()),
+            "thinking": {**_round_stats(accept, rt, proposed_BxR, depth_BxR, positions), "committed": int(thinking.sum()),
                          "forced_rounds": int(((accept == -2) & rt).sum())},
-            "answer": {**_round_stats(accept, ~rt, proposed_BxR, positions), "committed": int(new_tokens - thinking.sum()),
+            "answer": {**_round_stats(accept, ~rt, proposed_BxR, depth_BxR, positions), "committed": int(new_tokens - thinking.sum()),
                        "forced_rounds": int(((accept == -2) & ~rt).sum())},
         }
     return stats

@@ -372,8 +372,8 @@ def count(v) -> int:
     return int(sum(v)) if isinstance(v, (list, tuple)) else int(v or 0)
 
 
-_PUBLIC = ("rounds", "tau", "proposed", "accepted", "acceptance_rate", "accepted_per_position", "forced_rounds",
-           "tier_rounds", "committed")
+_PUBLIC = ("rounds", "tau", "proposed", "accepted", "acceptance_rate", "accepted_per_position", "offered_per_position",
+           "forced_rounds", "tier_rounds", "committed")
 
 
 def _public_stats(stats: dict) -> dict:

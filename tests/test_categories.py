@@ -142,7 +142,8 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
         calls.append((mode, prompts[0][0]))
         seconds = {0: 5.0, 1: 2.0, 2: 3.0}[(len(calls) - 1) // 4]  # pass 0 slow, pass 1 fastest, pass 2 between
         return SimpleNamespace(tokens=[[7, 8]] * len(prompts),
-                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]]})
+                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]],
+                                      "accepted_per_position": [2, 1], "offered_per_position": [2, 2]})
 
     monkeypatch.setattr(bench, "generate", fake_generate)
     monkeypatch.setattr(bench, "round_parts", lambda *a, **kw: dict.fromkeys(
@@ -157,6 +158,7 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
     assert report["vanilla"]["seconds"] == pytest.approx(2 * 2.0)
     assert report["eagle3"][0]["seconds"] == pytest.approx(2 * 2.5)
     assert report["eagle3"][0]["identical_to_vanilla"]
+    assert report["eagle3"][0]["acceptance_rate"] == [1.0, 0.5]
 
 
 # ---------------------------------------------------------------- the CLI with the built-in pair

@@ -63,6 +63,15 @@ def test_policy_follows_expected_tokens_per_ms(pair, round_ms, want):
     assert rest and rest.count(want) >= len(rest) - 1, rest
     vanilla = eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=96)
     assert res.tokens == vanilla.tokens
+    # acceptance per draft position counts only the rounds whose tier drafted that position:
+    # position 5 is offered by (16,4,4) rounds, never by chain4's
+    depth = {"none": 0, "chain4": 4, "16,4,4": 5}
+    rounds = list(zip(res.stats["accept_lengths"][0], res.stats["tier_per_round"]))
+    for i in range(1, 6):
+        offered = sum(a >= i - 1 and depth[t] >= i for a, t in rounds)
+        took = sum(a >= i for a, t in rounds)
+        assert res.stats["offered_per_position"][i - 1] == offered
+        assert res.stats["acceptance_rate"][i - 1] == pytest.approx(took / max(offered, 1))
 
 
 def test_deeper_positions_keep_their_estimate_while_a_shorter_chain_runs():
