@@ -872,7 +872,7 @@ def _round_stats(accept_BxR, rounds_mask_BxR, proposed_BxR, depth_BxR, positions
         "accepted_per_position": accepted.tolist(),
         "offered_per_position": offered.tolist(),
         "proposed": int((drafted * proposed_BxR).sum()),
-        "accepted": int(sum(map(sum, acc))),
+        "accepted": int(flat.sum()),
     }
 
 
