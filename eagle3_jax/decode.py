@@ -392,7 +392,11 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State
                                        burst if t is None else tier_rounds(i), s)
             return s
 
-    return jax.lax.while_loop(lambda s: _going(s, cap), body, dataclasses.replace(st, step=jnp.int32(0)))
+    # A forced tier is a measurement of its round cost: rows end at their limit or the cap, not
+    # at a stop token, so that every measured call runs its rounds whatever the text says.
+    stops = st.stops
+    st = dataclasses.replace(st, step=jnp.int32(0), stops=jnp.where(force_tier >= 0, -1, stops))
+    return dataclasses.replace(jax.lax.while_loop(lambda s: _going(s, cap), body, st), stops=stops)
 
 
 def _going(st: _State, cap):
@@ -760,29 +764,34 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
 _NO_SPEC = Speculation((None,), policy="fixed")
 
 
-def _round_ms(compiled, args, n_tiers: int, rounds: int = 16, repeats: int = 2) -> tuple[float, ...]:
+def _forced(compiled, args, tier: int, cap: int) -> dict:
+    """The compiled loop's call with speculation tier ``tier`` forced for ``cap`` rounds (a
+    measurement: stop tokens do not end it, see ``_rounds``)."""
+    return compiled(*args[:8], jnp.int32(tier), jnp.int32(cap), *args[10:])
+
+
+def _round_ms(compiled, args, n_tiers: int, rounds: int = 24, repeats: int = 3) -> tuple[float, ...]:
     """Milliseconds per round of each speculation tier, measured once per compiled program on
-    the program itself: each tier forced for ``rounds`` rounds, minus the same call with no
-    rounds (the prefill), the faster of ``repeats``."""
+    the program itself: each tier forced for ``rounds`` rounds (stop tokens ignored, so short
+    answers measure as many rounds as long ones), minus the same call with no rounds (the
+    prefill); the fastest of ``repeats`` passes, each pass timing every tier in turn (in an
+    order that rotates), so that a slow spell of a shared machine falls on every tier alike."""
     if id(compiled) in _ROUND_MS:
         return _ROUND_MS[id(compiled)]
 
     def seconds(tier: int, cap: int):
-        call = args[:8] + (jnp.int32(tier), jnp.int32(cap)) + args[10:]
-        res = jax.block_until_ready(compiled(*call))
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*call))
-            best = min(best, time.perf_counter() - start)
-        return best, int((np.asarray(res["accept"]) != -1).any(0).sum())
+        start = time.perf_counter()
+        res = jax.block_until_ready(_forced(compiled, args, tier, cap))
+        return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
 
-    prefill, _ = seconds(0, 0)
-    out = []
-    for tier in range(n_tiers):
-        full, n = seconds(tier, rounds)
-        out.append(1e3 * max(full - prefill, 1e-6) / max(n, 1))
-    _ROUND_MS[id(compiled)] = tuple(out)
+    seconds(0, 0)  # the program's first run
+    prefill, full, ran = float("inf"), [float("inf")] * n_tiers, [0] * n_tiers
+    for r in range(repeats):
+        prefill = min(prefill, seconds(0, 0)[0])
+        for tier in ((i + r) % n_tiers for i in range(n_tiers)):
+            s, ran[tier] = seconds(tier, rounds)
+            full[tier] = min(full[tier], s)
+    _ROUND_MS[id(compiled)] = tuple(1e3 * max(f - prefill, 1e-6) / max(n, 1) for f, n in zip(full, ran))
     return _ROUND_MS[id(compiled)]
 
 
@@ -1128,13 +1137,14 @@ class Slots:
         return _slots_empty_jit(tg, ts, dg, ds, round_ms_T, learned, slots=self.num_slots, max_len=self.max_len,
                                 stops=self._max_stops, loop=self._loop)
 
-    def _measure_rounds(self, n_tiers: int, rounds: int = 16) -> list[float]:
-        """Milliseconds per round of each tier on this engine, every slot busy (a synthetic prompt)."""
+    def _measure_rounds(self, n_tiers: int, rounds: int = 24, repeats: int = 3) -> list[float]:
+        """Milliseconds per round of each tier on this engine, every slot busy (a synthetic
+        prompt; a forced tier ignores stop tokens): the fastest of ``repeats`` passes, each
+        timing every tier in turn, as ``_round_ms`` does for ``generate``."""
         prompt = list(range(1, min(16, self.max_len // 4) + 1))
-        out = []
-        for tier in range(n_tiers):
-            best = float("inf")
-            for _ in range(2):
+        best = [float("inf")] * n_tiers
+        for r in range(repeats):
+            for tier in ((i + r) % n_tiers for i in range(n_tiers)):
                 for s in range(self.num_slots):
                     self.insert(s, prompt, max_new_tokens=self.max_new_tokens_for(len(prompt)))
                 jax.block_until_ready(self._state)
@@ -1143,11 +1153,10 @@ class Slots:
                 jax.block_until_ready(self._state)
                 ran = int(np.asarray(self._state.step))
                 self._snaps.clear()
-                best = min(best, 1e3 * (time.perf_counter() - start) / max(ran, 1))
+                best[tier] = min(best[tier], 1e3 * (time.perf_counter() - start) / max(ran, 1))
                 for s in range(self.num_slots):
                     self.release(s)
-            out.append(best)
-        return out
+        return best
 
     def reset_policy(self):
         """Forgets what the adaptive policy learned (e.g. from warm-up requests); the round

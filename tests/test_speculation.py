@@ -197,3 +197,22 @@ def test_learned_estimates_carry_over_to_the_next_call(pair):
     third = eagle3_jax.generate(target, drafter, prompts[1:2], max_new_tokens=64, speculation=spec,
                                 round_ms=(1.0, 100.0, 1.0))
     assert third.stats["tier_per_round"][:3] == ["chain4"] * 3 and third.tokens == second.tokens
+
+
+def test_round_costs_are_measured_past_the_answers_end(pair):
+    """A tier's round cost is measured by forcing it for some rounds of the call's own
+    program; a short answer's stop token must not cut that short (it would time a round or
+    two against the prefill), while the call itself still stops there."""
+    target, drafter, _, prompts = pair
+    spec = Speculation(TIERS, warmup=1, cooldown=1)
+    compiled, args = eagle3_jax.decode.compile_generate(target, drafter, prompts[:1], max_new_tokens=96,
+                                                        speculation=spec, round_ms=(1.0, 1.0, 100.0))
+    res = compiled(*args)
+    n, rounds = int(res["n_out"][0]), int((np.asarray(res["accept"])[0] != -1).sum())
+    assert n < 50  # the answer ends by itself, well before the limit
+    for tier, t in enumerate(TIERS):
+        cap = n + 8 if t is None else rounds + 8  # a plain round commits one token, a drafting one >= 1
+        forced = eagle3_jax.decode._forced(compiled, args, tier, cap)
+        ran = np.asarray(forced["accept"])[0] != -1
+        assert ran.sum() == cap and (np.asarray(forced["round_tier"])[0][ran] == tier).all()
+        assert n < int(forced["n_out"][0]) < 96
