@@ -112,10 +112,6 @@ class _Loop:
     cache_shardings: tuple = (None, None)  # the target's and the drafter's cache layout on a mesh
 
     @property
-    def path_max(self) -> int:
-        return max(1 if t is None else t.path_len for t in self.spec.tiers)
-
-    @property
     def burst(self) -> int:
         """Target steps per ``None``-tier burst: the policy's cooldown, within the scratch slots
         the drafter's catch-up writes past the prefix."""
@@ -287,8 +283,8 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
 
 def _propose(target, drafter, st: _State, active_B, sub_B, tree: TreeConfig, loop: _Loop):
     """Tier ``tree``'s draft and verification; the caches are only read.  Returns the accepted
-    path's data, padded to the largest tier's path: node ids, accepted count, bonus, the token
-    after each node, its target features and keys/values, and the forced tokens committed."""
+    path's data (``tree.path_len`` nodes): node ids, accepted count, bonus, the token after
+    each node, its target features and keys/values, and the forced tokens committed."""
     root, tcache = st.root, st.tcache
     B = root.shape[0]
     thinking = loop.thinking
@@ -312,26 +308,23 @@ def _propose(target, drafter, st: _State, active_B, sub_B, tree: TreeConfig, loo
         node = jnp.maximum(path, 0)
         drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
         b = jnp.arange(B)[:, None]
-        pad = loop.path_max - node.shape[1]
-        padded = lambda x, axis, value=0: jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)],  # noqa: E731
-                                                  constant_values=value)
-        return (padded(path, 1, -1), accepted, bonus, padded(drafted, 1),
-                padded(jnp.take_along_axis(feats, node[..., None], 1), 1),
-                tuple(padded(x[:, b, node], 2) for x in new_kv), n_forced)
+        return (path, accepted, bonus, drafted, jnp.take_along_axis(feats, node[..., None], 1),
+                tuple(x[:, b, node] for x in new_kv), n_forced)
 
 
 def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
     """One round of drafting tier ``tier`` (an index into the tiers): its proposal, then the
     commit, the drafter's catch-up and the output bookkeeping that every tier shares."""
     spec, thinking = loop.spec, loop.thinking
-    B, P_max = st.root.shape[0], loop.path_max
+    B = st.root.shape[0]
     bidx = jnp.arange(B)
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
     path, accepted, bonus, drafted, path_feats, path_kv, n_forced = _propose(target, drafter, st, active, sub,
                                                                              spec.tiers[tier], loop)
-    j = jnp.arange(P_max)[None]
+    # the round's own path length: a short tier's commit and catch-up cost no more than its own
+    j = jnp.arange(path.shape[1])[None]
     if thinking is not None:
         end_ids, m = _end_ids(thinking), len(thinking.end_ids)
         forcing = active & (think.force >= 0)
@@ -348,7 +341,7 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
         think = dataclasses.replace(think, force=force, forced=think.forced | hit)
     count = jnp.where(active, accepted + 1, 0)
     with jax.named_scope("commit"):
-        tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, (B, P_max)), count, new_kv=path_kv)
+        tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, path.shape), count, new_kv=path_kv)
     with jax.named_scope("catch_up"):
         # token following each committed node: the next accepted draft token, then the bonus
         new = jnp.where(j < accepted[:, None], drafted, bonus[:, None])

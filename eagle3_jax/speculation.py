@@ -192,17 +192,16 @@ def expected_tokens(ctl: Controller, spec: Speculation):
     pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
     a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
 
-    def tokens(a_D, k: int):  # 1 + Σ_{i≤k} Π_{j≤i} a_j
-        return 1.0 + jnp.cumprod(a_D)[:k].sum()
-
+    chain = 1.0 + jnp.cumsum(jnp.cumprod(a))  # chain[k - 1] = 1 + Σ_{i≤k} Π_{j≤i} a_j: a chain of k drafts
+    wide = {k: 1.0 + jnp.cumsum(jnp.cumprod(1.0 - (1.0 - a) ** k)) for k in {t.top_k for t in spec.tiers if t}}
     est = []
     for j, t in enumerate(spec.tiers):
         if t is None:
             est.append(jnp.float32(1.0))
         elif t.top_k == 1:
-            est.append(tokens(a, t.path_len - 1))
+            est.append(chain[t.path_len - 2])
         else:  # untried: optimistic, as if each level offered top_k independent tries
-            est.append(jnp.where(ctl.tried[j], ctl.mean[j], tokens(1.0 - (1.0 - a) ** t.top_k, t.path_len - 1)))
+            est.append(jnp.where(ctl.tried[j], ctl.mean[j], wide[t.top_k][t.path_len - 2]))
     return jnp.stack(est)
 
 
