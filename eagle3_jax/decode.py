@@ -763,12 +763,14 @@ def _forced(compiled, args, tier: int, cap: int) -> dict:
     return compiled(*args[:8], jnp.int32(tier), jnp.int32(cap), *args[10:])
 
 
-def _round_ms(compiled, args, n_tiers: int, rounds: int = 24, repeats: int = 3) -> tuple[float, ...]:
+def _round_ms(compiled, args, n_tiers: int, rounds: tuple[int, int] = (8, 32), repeats: int = 3) -> tuple[float, ...]:
     """Milliseconds per round of each speculation tier, measured once per compiled program on
-    the program itself: each tier forced for ``rounds`` rounds (stop tokens ignored, so short
-    answers measure as many rounds as long ones), minus the same call with no rounds (the
-    prefill); the fastest of ``repeats`` passes, each pass timing every tier in turn (in an
-    order that rotates), so that a slow spell of a shared machine falls on every tier alike."""
+    the program itself: each tier forced for ``rounds[0]`` and for ``rounds[1]`` rounds (stop
+    tokens ignored, so short answers measure as many rounds as long ones), the difference of
+    the two calls over the difference in rounds (what a call costs besides its rounds cancels
+    out: the prefill, the launch, the output's transfer); each call the fastest of ``repeats``
+    passes that time every tier in turn (in an order that rotates), so that a slow spell of a
+    shared machine falls on every tier alike."""
     if id(compiled) in _ROUND_MS:
         return _ROUND_MS[id(compiled)]
 
@@ -778,13 +780,16 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 24, repeats: int = 3) 
         return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
 
     seconds(0, 0)  # the program's first run
-    prefill, full, ran = float("inf"), [float("inf")] * n_tiers, [0] * n_tiers
+    best = {}
+    ran = {}
     for r in range(repeats):
-        prefill = min(prefill, seconds(0, 0)[0])
         for tier in ((i + r) % n_tiers for i in range(n_tiers)):
-            s, ran[tier] = seconds(tier, rounds)
-            full[tier] = min(full[tier], s)
-    _ROUND_MS[id(compiled)] = tuple(1e3 * max(f - prefill, 1e-6) / max(n, 1) for f, n in zip(full, ran))
+            for cap in rounds:
+                t, ran[tier, cap] = seconds(tier, cap)
+                best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
+    lo, hi = rounds
+    _ROUND_MS[id(compiled)] = tuple(1e3 * max(best[i, hi] - best[i, lo], 1e-6) / max(ran[i, hi] - ran[i, lo], 1)
+                                    for i in range(n_tiers))
     return _ROUND_MS[id(compiled)]
 
 
