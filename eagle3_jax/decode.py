@@ -768,7 +768,8 @@ def _round_ms(compiled, args, n_tiers: int, rounds: tuple[int, int] = (8, 32), r
     the program itself: each tier forced for ``rounds[0]`` and for ``rounds[1]`` rounds (stop
     tokens ignored, so short answers measure as many rounds as long ones), the difference of
     the two calls over the difference in rounds (what a call costs besides its rounds cancels
-    out: the prefill, the launch, the output's transfer); each call the fastest of ``repeats``
+    out: the prefill, the launch, the output's transfer; when ``max_new_tokens`` ends the rows
+    first, the longer call minus the prefill alone); each call the fastest of ``repeats``
     passes that time every tier in turn (in an order that rotates), so that a slow spell of a
     shared machine falls on every tier alike."""
     if id(compiled) in _ROUND_MS:
@@ -783,13 +784,19 @@ def _round_ms(compiled, args, n_tiers: int, rounds: tuple[int, int] = (8, 32), r
     best = {}
     ran = {}
     for r in range(repeats):
-        for tier in ((i + r) % n_tiers for i in range(n_tiers)):
-            for cap in rounds:
-                t, ran[tier, cap] = seconds(tier, cap)
-                best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
+        calls = [(0, 0)] + [(tier, cap) for tier in ((i + r) % n_tiers for i in range(n_tiers)) for cap in rounds]
+        for tier, cap in calls:
+            t, ran[tier, cap] = seconds(tier, cap)
+            best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
     lo, hi = rounds
-    _ROUND_MS[id(compiled)] = tuple(1e3 * max(best[i, hi] - best[i, lo], 1e-6) / max(ran[i, hi] - ran[i, lo], 1)
-                                    for i in range(n_tiers))
+
+    def per_round(i: int) -> float:
+        # a small max_new_tokens ends the rows before the longer call's rounds: then against
+        # the prefill alone
+        a = (i, lo) if ran[i, hi] - ran[i, lo] >= (hi - lo) // 2 else (0, 0)
+        return 1e3 * max(best[i, hi] - best[a], 1e-6) / max(ran[i, hi] - ran[a], 1)
+
+    _ROUND_MS[id(compiled)] = tuple(per_round(i) for i in range(n_tiers))
     return _ROUND_MS[id(compiled)]
 
 
@@ -1137,8 +1144,8 @@ class Slots:
 
     def _measure_rounds(self, n_tiers: int, rounds: int = 24, repeats: int = 3) -> list[float]:
         """Milliseconds per round of each tier on this engine, every slot busy (a synthetic
-        prompt; a forced tier ignores stop tokens): the fastest of ``repeats`` passes, each
-        timing every tier in turn, as ``_round_ms`` does for ``generate``."""
+        prompt; a forced tier ignores stop tokens): one dispatch of ``rounds`` rounds after
+        the inserts, the fastest of ``repeats`` passes that time every tier in turn."""
         prompt = list(range(1, min(16, self.max_len // 4) + 1))
         best = [float("inf")] * n_tiers
         for r in range(repeats):
