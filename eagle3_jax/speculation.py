@@ -193,7 +193,8 @@ def expected_tokens(ctl: Controller, spec: Speculation):
     a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
 
     chain = 1.0 + jnp.cumsum(jnp.cumprod(a))  # chain[k - 1] = 1 + Σ_{i≤k} Π_{j≤i} a_j: a chain of k drafts
-    wide = {k: 1.0 + jnp.cumsum(jnp.cumprod(1.0 - (1.0 - a) ** k)) for k in {t.top_k for t in spec.tiers if t}}
+    widths = {t.top_k for t in spec.tiers if t is not None and t.top_k > 1}  # trees' optimistic estimates
+    wide = {k: 1.0 + jnp.cumsum(jnp.cumprod(1.0 - (1.0 - a) ** k)) for k in widths}
     est = []
     for j, t in enumerate(spec.tiers):
         if t is None:
