@@ -759,7 +759,8 @@ _NO_SPEC = Speculation((None,), policy="fixed")
 
 def _forced(compiled, args, tier: int, cap: int) -> dict:
     """The compiled loop's call with speculation tier ``tier`` forced for ``cap`` rounds (a
-    measurement: stop tokens do not end it, see ``_rounds``)."""
+    measurement: stop tokens do not end it, see ``_rounds``); ``tier`` -1: the call as
+    ``generate`` makes it, but for at most ``cap`` rounds."""
     return compiled(*args[:8], jnp.int32(tier), jnp.int32(cap), *args[10:])
 
 
@@ -805,7 +806,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
              stop_token_ids: Sequence[int] | None = None, tokenizer=None, thinking_budget=None,
              thinking_mode: str = "hard", thinking_grace: int = 0, think_token_ids=None,
              end_thinking_ids=None, speculation: Speculation | TreeConfig | None = None,
-             round_ms=None, mesh: jax.sharding.Mesh | None = None, rules=None) -> GenerateResult:
+             round_ms=None, mesh: jax.sharding.Mesh | None = None, rules=None,
+             time_first_token: bool = False) -> GenerateResult:
     """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
 
     Greedy output is token-identical to the target's own greedy decoding under the same
@@ -830,7 +832,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         KV heads, the batch over ``data`` (padded to a multiple of it); ``rules`` override
         ``eagle3_jax.sharding.RULES``.  Models loaded with ``mesh=`` are used in place, others
         are placed for the call.  The tokens are those of one device.
-      stop_token_ids: token ids that end a sequence, besides the target's EOS ids.{thinking}
+      stop_token_ids: token ids that end a sequence, besides the target's EOS ids.
+      time_first_token: also time the call stopped after the prefill (its first token), on
+        the same compiled program just before the full call: ``stats["first_token_seconds"]``
+        (the full call's time is ``stats["seconds"]``).{thinking}
     Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
     ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
     | ``budget_exhausted`` | ``incomplete``); ``stats["phases"]`` splits the round statistics
@@ -844,6 +849,11 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                    thinking_grace=thinking_grace, think_token_ids=think_token_ids,
                                    end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms,
                                    mesh=mesh, rules=rules)
+    first_token = None
+    if time_first_token:
+        start = time.perf_counter()
+        jax.block_until_ready(_forced(compiled, args, -1, 0))
+        first_token = time.perf_counter() - start
     start = time.perf_counter()
     res = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - start
@@ -853,6 +863,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     n_out = res["n_out"]
     tokens = [res["out"][b, : n_out[b]].tolist() for b in range(n_out.shape[0])]
     stats = _stats(res, seconds, req.spec)
+    if first_token is not None:
+        stats["first_token_seconds"] = first_token
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
     stops = set(req.stop_ids)
     finish = ["stop" if t and t[-1] in stops else "length" for t in tokens]

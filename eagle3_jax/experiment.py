@@ -18,7 +18,8 @@ category is measured, not apportioned).
 ``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
 ``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
 over B × K).  Latencies are per request at the given batch size, compilation excluded; TTFT
-is the same program run for one token.
+is the request's own compiled program stopped after the prefill (its first token), timed just
+before the full call.
 """
 
 from __future__ import annotations
@@ -60,12 +61,11 @@ def _run(target, drafter, prompts, groups, *, budget, mode, batch_size, max_new_
         for j in range(0, len(idx), batch_size):
             ids = idx[j:j + batch_size]
             chunk = [prompts[i] for i in ids]
-            first = generate(target, d, chunk, max_new_tokens=1, **kw)
-            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, **kw)
+            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, time_first_token=True, **kw)
             for k, i in enumerate(ids):
                 out["tokens"][i], out["thinking"][i] = res.tokens[k], res.thinking_tokens[k]
                 out["answer"][i], out["status"][i] = res.answer_tokens[k], res.thinking_status[k]
-                out["ttft"][i], out["e2e"][i] = first.stats["seconds"], res.stats["seconds"]
+                out["ttft"][i], out["e2e"][i] = res.stats["first_token_seconds"], res.stats["seconds"]
             out["chunks"].append((cat, ids, res.stats))
     return out
 

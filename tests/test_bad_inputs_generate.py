@@ -112,3 +112,14 @@ def test_compile_cache_is_bounded(pair, monkeypatch):
         eagle3_jax.generate(target, None, OK, max_new_tokens=n)
     assert len(decode._COMPILED) == 2
     assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 4]  # 3 evicted, 4 most recent
+
+
+def test_first_token_is_timed_on_the_call_s_own_program(pair, monkeypatch):
+    """``time_first_token`` times the same compiled program stopped after the prefill: no
+    second program, the same tokens."""
+    target, drafter = pair
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    plain = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6)
+    timed = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, time_first_token=True)
+    assert timed.tokens == plain.tokens and len(decode._COMPILED) == 1
+    assert 0 < timed.stats["first_token_seconds"] and "first_token_seconds" not in plain.stats
