@@ -764,15 +764,19 @@ def _forced(compiled, args, tier: int, cap: int) -> dict:
     return compiled(*args[:8], jnp.int32(tier), jnp.int32(cap), *args[10:])
 
 
-def _round_ms(compiled, args, n_tiers: int, rounds: tuple[int, int] = (8, 32), repeats: int = 3) -> tuple[float, ...]:
+def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float = 0.2,
+              repeats: int = 3) -> tuple[float, ...]:
     """Milliseconds per round of each speculation tier, measured once per compiled program on
-    the program itself: each tier forced for ``rounds[0]`` and for ``rounds[1]`` rounds (stop
-    tokens ignored, so short answers measure as many rounds as long ones), the difference of
-    the two calls over the difference in rounds (what a call costs besides its rounds cancels
-    out: the prefill, the launch, the output's transfer; when ``max_new_tokens`` ends the rows
-    first, the longer call minus the prefill alone); each call the fastest of ``repeats``
-    passes that time every tier in turn (in an order that rotates), so that a slow spell of a
-    shared machine falls on every tier alike."""
+    the program itself: each tier forced for ``rounds`` and for more rounds (stop tokens
+    ignored, so short answers measure as many rounds as long ones), the difference of the two
+    calls over the difference in rounds (what a call costs besides its rounds cancels out: the
+    prefill, the launch, the output's transfer; when ``max_new_tokens`` ends the rows first,
+    the longer call minus the prefill alone).  The longer call runs at least ``4 * rounds``
+    rounds, and as many as take about ``seconds_long`` (by a first call of ``rounds``), so
+    that cheap rounds (a small batch) are timed over a span long enough to rank tiers a few
+    percent apart.  Each call is the fastest of ``repeats`` passes that time every tier in
+    turn (in an order that rotates), so that a slow spell of a shared machine falls on every
+    tier alike."""
     if id(compiled) in _ROUND_MS:
         return _ROUND_MS[id(compiled)]
 
@@ -782,20 +786,24 @@ def _round_ms(compiled, args, n_tiers: int, rounds: tuple[int, int] = (8, 32), r
         return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
 
     seconds(0, 0)  # the program's first run
-    best = {}
-    ran = {}
+    best, ran = {}, {}
+    lo, hi = rounds, {}
+    for tier in range(n_tiers):  # the longer call's rounds, from a call of lo (its prefill counted: fewer)
+        t, n = seconds(tier, lo)
+        best[tier, lo], ran[tier, lo] = t, n
+        hi[tier] = max(4 * lo, int(seconds_long * max(n, 1) / max(t, 1e-9)))
     for r in range(repeats):
-        calls = [(0, 0)] + [(tier, cap) for tier in ((i + r) % n_tiers for i in range(n_tiers)) for cap in rounds]
+        calls = [(0, 0)] + [(tier, cap) for tier in ((i + r) % n_tiers for i in range(n_tiers)) for cap in (lo, hi[tier])]
         for tier, cap in calls:
             t, ran[tier, cap] = seconds(tier, cap)
             best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
-    lo, hi = rounds
 
     def per_round(i: int) -> float:
         # a small max_new_tokens ends the rows before the longer call's rounds: then against
         # the prefill alone
-        a = (i, lo) if ran[i, hi] - ran[i, lo] >= (hi - lo) // 2 else (0, 0)
-        return 1e3 * max(best[i, hi] - best[a], 1e-6) / max(ran[i, hi] - ran[a], 1)
+        long = (i, hi[i])
+        a = (i, lo) if ran[long] - ran[i, lo] >= (hi[i] - lo) // 2 else (0, 0)
+        return 1e3 * max(best[long] - best[a], 1e-6) / max(ran[long] - ran[a], 1)
 
     _ROUND_MS[id(compiled)] = tuple(per_round(i) for i in range(n_tiers))
     return _ROUND_MS[id(compiled)]
