@@ -1153,7 +1153,7 @@ class Slots:
         n_tiers = 1 if self.spec is None else len(self.spec.tiers)
         if round_ms is None and self.spec is not None and self.spec.policy == "adaptive":
             self._state = self._empty(jnp.ones((n_tiers,), jnp.float32), learned)
-            round_ms = self._measure_rounds(n_tiers)
+            round_ms = self.measure_round_ms()
         self.round_ms = None if round_ms is None else tuple(float(x) for x in round_ms)
         self._state = self._empty(jnp.asarray(self.round_ms or (1.0,) * n_tiers, jnp.float32), learned)
 
@@ -1162,10 +1162,14 @@ class Slots:
         return _slots_empty_jit(tg, ts, dg, ds, round_ms_T, learned, slots=self.num_slots, max_len=self.max_len,
                                 stops=self._max_stops, loop=self._loop)
 
-    def _measure_rounds(self, n_tiers: int, rounds: int = 24, repeats: int = 3) -> list[float]:
-        """Milliseconds per round of each tier on this engine, every slot busy (a synthetic
-        prompt; a forced tier ignores stop tokens): one dispatch of ``rounds`` rounds after
-        the inserts, the fastest of ``repeats`` passes that time every tier in turn."""
+    def measure_round_ms(self, rounds: int = 24, repeats: int = 3) -> list[float]:
+        """Milliseconds per round of each speculation tier on this engine (one entry without
+        one), every slot busy (a synthetic prompt; a forced tier ignores stop tokens): one
+        dispatch of ``rounds`` rounds after the inserts, the fastest of ``repeats`` passes that
+        time every tier in turn.  Call with no request running: it fills and frees every slot."""
+        if any(self._busy):
+            raise RuntimeError("measure_round_ms() fills every slot: call it with none busy (release them first)")
+        n_tiers = 1 if self.spec is None else len(self.spec.tiers)
         prompt = list(range(1, min(16, self.max_len // 4) + 1))
         best = [float("inf")] * n_tiers
         for r in range(repeats):

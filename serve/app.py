@@ -569,18 +569,20 @@ def sampling_defaults(target_dir) -> float:
 
 
 def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024, speculation=None,
-          max_queue: int = 64, rounds_per_dispatch: int = 16, model_name: str = "eagle3-jax", temperature: float = 1.0,
+          max_queue: int = 64, rounds_per_dispatch: int = 64, dispatch_ms: float | None = 150.0, model_name: str = "eagle3-jax", temperature: float = 1.0,
           effort_budgets: tuple = (256, 1024, None), warmup: bool = True) -> FastAPI:
     """The app over a new engine: ``max_batch`` slots of ``max_len`` tokens on the pair
     (``drafter`` None: vanilla decoding; ``speculation`` as ``eagle3_jax.decode.Slots``);
-    ``warmup`` compiles the engine's programs on a short request before serving."""
+    ``warmup`` compiles the engine's programs on a short request before serving (and bounds
+    the rounds per dispatch by ``dispatch_ms``: ``eagle3_jax.serve.engine.Engine``)."""
     from eagle3_jax.decode import Slots
 
     if tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (tokenizer.json in the target directory)")
     slots = Slots(target, drafter, num_slots=max_batch, max_len=max_len, speculation=speculation, tokenizer=tokenizer)
     metrics = Metrics(model_name)
-    engine = Engine(slots, tokenizer, max_queue=max_queue, rounds_per_dispatch=rounds_per_dispatch, metrics=metrics)
+    engine = Engine(slots, tokenizer, max_queue=max_queue, rounds_per_dispatch=rounds_per_dispatch,
+                    dispatch_ms=dispatch_ms, metrics=metrics)
     if warmup:
         engine.warmup(list(tokenizer.encode("Hello")) or [0])
     engine.start()
@@ -629,7 +631,7 @@ def server_settings(args, target, is_builtin: bool) -> dict:
     efforts = args.reasoning_effort_budgets or ((16, 64, None) if is_builtin else (256, 1024, None))
     target_dir = builtin.TARGET_DIR if is_builtin else args.target
     return dict(max_batch=args.max_batch, max_len=max_len, max_queue=args.max_queue,
-                rounds_per_dispatch=args.rounds_per_dispatch, temperature=sampling_defaults(target_dir),
+                rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms, temperature=sampling_defaults(target_dir),
                 effort_budgets=tuple(efforts))
 
 

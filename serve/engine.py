@@ -17,9 +17,12 @@ read of the admission), so its first token is seen as soon as the prefill is don
 device goes from prefill to rounds without waiting for the host.  ``k`` is 1 while requests
 wait in the queue (a slot that frees is seen a round or two later, not ``k`` rounds later) and
 after an admission beside running requests (its text, and the next arrivals, are not held up
-behind long dispatches); otherwise it doubles per dispatch up to ``rounds_per_dispatch`` (a
-long answer costs few host syncs; a lone request starts at once on long dispatches, since
-short ones leave the device idle while the host polls).  Nothing here blocks the event loop:
+behind long dispatches); otherwise it doubles per dispatch up to a cap (a long answer costs
+few host syncs; a lone request starts at once on long dispatches, since short ones leave the
+device idle while the host polls).  The cap is bounded by time: after :meth:`Engine.warmup`,
+the rounds that fit in ``dispatch_ms`` at the engine's dearest round (measured on the slots,
+every slot busy), at most ``rounds_per_dispatch`` — so cheap rounds (few slots) get long
+dispatches and few syncs, and dear ones (a full batch) do not hold an arrival for long.  Nothing here blocks the event loop:
 :meth:`Engine.submit` and :meth:`Request.cancel` only take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
@@ -130,18 +133,24 @@ class Engine:
       tokenizer: decodes the output (a private copy is used, off the event loop's thread).
       max_queue: the most requests waiting for a slot; :meth:`submit` raises ``QueueFull``
         beyond it.
-      rounds_per_dispatch: decode rounds per host sync while no request waits.
+      rounds_per_dispatch: the most decode rounds per host sync (while no request waits).
+      dispatch_ms: after :meth:`warmup`, also at most the rounds that take this long (the
+        engine's dearest round, measured on ``slots``); None: ``rounds_per_dispatch`` only.
       metrics: an ``eagle3_jax.serve.metrics.Metrics`` (or None).
     """
 
-    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 16, metrics=None):
-        if max_queue < 0 or rounds_per_dispatch < 1:
-            raise ValueError(f"need max_queue >= 0 and rounds_per_dispatch >= 1, got {max_queue}, {rounds_per_dispatch}")
+    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 64,
+                 dispatch_ms: float | None = 150.0, metrics=None):
+        if max_queue < 0 or rounds_per_dispatch < 1 or (dispatch_ms is not None and not dispatch_ms > 0):
+            raise ValueError(f"need max_queue >= 0, rounds_per_dispatch >= 1 and dispatch_ms > 0 (or None), got "
+                             f"{max_queue}, {rounds_per_dispatch}, {dispatch_ms}")
         self.slots = slots
         self.tokenizer = copy.deepcopy(tokenizer)
         self.max_queue = max_queue
         self.rounds_per_dispatch = rounds_per_dispatch
-        self._ramp = 1  # rounds of the next dispatch: doubles up to rounds_per_dispatch, 1 while requests wait or join
+        self.dispatch_ms = dispatch_ms
+        self.max_rounds = rounds_per_dispatch  # the cap; bounded by dispatch_ms at warmup()
+        self._ramp = 1  # rounds of the next dispatch: doubles up to max_rounds, 1 while requests wait or join
         self.metrics = metrics
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -183,8 +192,8 @@ class Engine:
         """Compiles the engine's programs (prefill, dispatches, release, poll) on a short greedy
         request in slot 0, ``cycles`` times over (a program whose input state came from another
         program may compile again), then the prefill of every prompt bucket (so that no request
-        waits for a compilation, and no running stream stalls for one); call before
-        :meth:`start`."""
+        waits for a compilation, and no running stream stalls for one); then bounds the rounds
+        per dispatch by ``dispatch_ms`` (``max_rounds``).  Call before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
         s = self.slots
@@ -201,7 +210,10 @@ class Engine:
             s.poll()
             s.release(0)
         s.poll()
-        s.reset_policy()  # the warm-up request taught the adaptive policy nothing about real ones
+        if self.dispatch_ms is not None:
+            dearest = max(s.round_ms or s.measure_round_ms(repeats=1))
+            self.max_rounds = max(1, min(self.rounds_per_dispatch, int(self.dispatch_ms / dearest)))
+        s.reset_policy()  # the warm-up requests taught the adaptive policy nothing about real ones
 
     def submit(self, prompt_ids, params: Params, *, split: bool) -> Request:
         """Queues a request (call on the asyncio loop that reads its events); raises
@@ -292,7 +304,7 @@ class Engine:
         if active:
             fresh = sum(r.slot is not None for r in admit)  # admitted (an insert may have refused one)
             joined = fresh and len(active) > fresh  # newcomers beside running requests
-            self._ramp = 1 if queued or joined else min(2 * self._ramp, self.rounds_per_dispatch)
+            self._ramp = 1 if queued or joined else min(2 * self._ramp, self.max_rounds)
             self.slots.run(self._ramp)
         pending, self._pending = self._pending, []
         for req, view in pending:  # the previous poll's tokens, while the device runs this dispatch

@@ -120,7 +120,7 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
     assert np.all(np.asarray(v.tokens) < target.config.vocab_size)
 
 
-def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog):
+def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog, monkeypatch):
     """A slot prefills at a power-of-two length (above the largest that fits: at max_len
     rounded down to 32), so the server's warm-up compiles every prefill a request can need:
     none compiles later, inserted beside a running request; a prompt padded to another length
@@ -159,6 +159,21 @@ def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog):
     with jax.log_compiles(True), caplog.at_level("WARNING"):  # the check above does see compilations
         jax.jit(lambda x: x + 1)(np.float32(len(got.tokens)))
     assert any("Compiling" in r.getMessage() for r in caplog.records)
+
+    # The engine's rounds per dispatch: those that fit in dispatch_ms at the measured round cost.
+    slots.release(0), slots.release(1)
+    ms = slots.measure_round_ms(repeats=1)
+    assert len(ms) == 1 and 0 < ms[0] < 1e3
+    slots.insert(0, prompts[0], max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="none busy"):
+        slots.measure_round_ms()
+    slots.release(0)
+    monkeypatch.setattr(slots, "measure_round_ms", lambda repeats=3: [4.0])
+    for dispatch_ms, cap in ((100.0, 25), (1.0, 1), (1e6, 64), (None, 64)):
+        engine = Engine(slots, tok, dispatch_ms=dispatch_ms)
+        assert engine.max_rounds == 64
+        engine.warmup(prompts[0][:5], cycles=1)
+        assert engine.max_rounds == cap, dispatch_ms
 
 
 def test_lagging_poll_after_release_and_reinsert(pair):
