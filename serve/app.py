@@ -569,7 +569,8 @@ def sampling_defaults(target_dir) -> float:
 
 
 def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024, speculation=None,
-          max_queue: int = 64, rounds_per_dispatch: int = 64, dispatch_ms: float | None = 150.0, model_name: str = "eagle3-jax", temperature: float = 1.0,
+          max_queue: int = 64, rounds_per_dispatch: int = 64, dispatch_ms: float | None = 150.0,
+          model_name: str = "eagle3-jax", temperature: float = 1.0,
           effort_budgets: tuple = (256, 1024, None), warmup: bool = True) -> FastAPI:
     """The app over a new engine: ``max_batch`` slots of ``max_len`` tokens on the pair
     (``drafter`` None: vanilla decoding; ``speculation`` as ``eagle3_jax.decode.Slots``);
@@ -631,7 +632,8 @@ def server_settings(args, target, is_builtin: bool) -> dict:
     efforts = args.reasoning_effort_budgets or ((16, 64, None) if is_builtin else (256, 1024, None))
     target_dir = builtin.TARGET_DIR if is_builtin else args.target
     return dict(max_batch=args.max_batch, max_len=max_len, max_queue=args.max_queue,
-                rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms, temperature=sampling_defaults(target_dir),
+                rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms,
+                temperature=sampling_defaults(target_dir),
                 effort_budgets=tuple(efforts))
 
 

@@ -21,9 +21,10 @@ behind long dispatches); otherwise it doubles per dispatch up to a cap (a long a
 few host syncs; a lone request starts at once on long dispatches, since short ones leave the
 device idle while the host polls).  The cap is bounded by time: after :meth:`Engine.warmup`,
 the rounds that fit in ``dispatch_ms`` at the engine's dearest round (measured on the slots,
-every slot busy), at most ``rounds_per_dispatch`` — so cheap rounds (few slots) get long
-dispatches and few syncs, and dear ones (a full batch) do not hold an arrival for long.  Nothing here blocks the event loop:
-:meth:`Engine.submit` and :meth:`Request.cancel` only take a lock.
+every slot busy), at most ``rounds_per_dispatch``; so cheap rounds (few slots) get long
+dispatches and few syncs, and dear ones (a full batch) do not hold an arrival for long.
+Nothing here blocks the event loop: :meth:`Engine.submit` and :meth:`Request.cancel` only
+take a lock.
 
 Each request's queue receives ``("delta", ({field: text}, token_ids))`` events, then one
 ``("done", Result)`` or ``("error", (http_status, message))``.
