@@ -385,11 +385,11 @@ def _serve_common(p):
                    help="requests waiting for a slot before new ones get 429")
     p.add_argument("--max-len", type=_number(int, "max-len", lo=2), default=None,
                    help="tokens per slot, prompt included (default: the target's max_position_embeddings, at most 4096)")
-    p.add_argument("--rounds-per-dispatch", type=_number(int, "rounds-per-dispatch", lo=1), default=64,
+    p.add_argument("--rounds-per-dispatch", type=_number(int, "rounds-per-dispatch", lo=1), default=16,
                    help="the most decode rounds per host sync (while no request waits)")
-    p.add_argument("--dispatch-ms", type=_number(float, "dispatch-ms", lo=0.0, lo_open=True), default=150.0,
+    p.add_argument("--dispatch-ms", type=_number(float, "dispatch-ms", lo=0.0, lo_open=True), default=None,
                    help="also at most the rounds that take this long, at the engine's dearest round (measured at "
-                        "start-up)")
+                        "start-up; default: no time bound)")
     p.add_argument("--reasoning-effort-budgets", type=_budget, nargs=3, metavar=("LOW", "MEDIUM", "HIGH"),
                    help="thinking budgets of reasoning_effort low/medium/high (default: 16 64 unlimited for the "
                         "built-in pair, else 256 1024 unlimited)")

@@ -68,7 +68,7 @@ def server_process(args):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "eagle3_jax.cli", "serve", "--port", str(port), "--max-batch", str(args.max_batch),
            "--max-len", str(args.max_len), "--rounds-per-dispatch", str(args.rounds_per_dispatch),
-           "--dispatch-ms", str(args.dispatch_ms),
+           *(["--dispatch-ms", str(args.dispatch_ms)] if args.dispatch_ms else []),
            "--speculation", args.tree, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -144,7 +144,7 @@ def solo(args, target, drafter, tok):
             same += all(ids == gen.tokens[0] for _, _, ids in srvs)
     where = "its own process" if args.process else "this process"
     print(f"concurrency 1, {len(prompts)} eval prompts, {args.tree}, greedy, max_tokens {args.max_tokens}, "
-          f"{args.max_batch} slots, at most {args.rounds_per_dispatch} rounds and {args.dispatch_ms:g} ms per dispatch, server in {where}, "
+          f"{args.max_batch} slots, at most {args.rounds_per_dispatch} rounds{f' and {args.dispatch_ms:g} ms' if args.dispatch_ms else ''} per dispatch, server in {where}, "
           f"fastest of {args.repeats} each:")
     print(f"  generate (batch 1):           {n_tokens} tokens in {gen_s:.3f} s = {n_tokens / gen_s:7.1f} tok/s "
           f"(its stats: the compiled call)")
@@ -239,8 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--rounds-per-dispatch", type=int, default=64)
-    p.add_argument("--dispatch-ms", type=float, default=150.0)
+    p.add_argument("--rounds-per-dispatch", type=int, default=16)
+    p.add_argument("--dispatch-ms", type=float, default=None)
     p.add_argument("--repeats", type=int, default=5, help="solo: runs per prompt and side (the fastest kept)")
     p.add_argument("--process", action="store_true", help="solo: run the server in a process of its own")
     args = p.parse_args(argv)

@@ -569,7 +569,7 @@ def sampling_defaults(target_dir) -> float:
 
 
 def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024, speculation=None,
-          max_queue: int = 64, rounds_per_dispatch: int = 64, dispatch_ms: float | None = 150.0,
+          max_queue: int = 64, rounds_per_dispatch: int = 16, dispatch_ms: float | None = None,
           model_name: str = "eagle3-jax", temperature: float = 1.0,
           effort_budgets: tuple = (256, 1024, None), warmup: bool = True) -> FastAPI:
     """The app over a new engine: ``max_batch`` slots of ``max_len`` tokens on the pair

@@ -19,10 +19,10 @@ wait in the queue (a slot that frees is seen a round or two later, not ``k`` rou
 after an admission beside running requests (its text, and the next arrivals, are not held up
 behind long dispatches); otherwise it doubles per dispatch up to a cap (a long answer costs
 few host syncs; a lone request starts at once on long dispatches, since short ones leave the
-device idle while the host polls).  The cap is bounded by time: after :meth:`Engine.warmup`,
-the rounds that fit in ``dispatch_ms`` at the engine's dearest round (measured on the slots,
-every slot busy), at most ``rounds_per_dispatch``; so cheap rounds (few slots) get long
-dispatches and few syncs, and dear ones (a full batch) do not hold an arrival for long.
+device idle while the host polls): ``rounds_per_dispatch``, or, with ``dispatch_ms``, the
+rounds that fit in that time at the engine's dearest round (measured at :meth:`Engine.warmup`,
+every slot busy), at most ``rounds_per_dispatch``; so cheap rounds (few slots) can get long
+dispatches and few syncs while dear ones (a full batch) do not hold an arrival for long.
 Nothing here blocks the event loop: :meth:`Engine.submit` and :meth:`Request.cancel` only
 take a lock.
 
@@ -140,8 +140,8 @@ class Engine:
       metrics: an ``eagle3_jax.serve.metrics.Metrics`` (or None).
     """
 
-    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 64,
-                 dispatch_ms: float | None = 150.0, metrics=None):
+    def __init__(self, slots, tokenizer, *, max_queue: int = 64, rounds_per_dispatch: int = 16,
+                 dispatch_ms: float | None = None, metrics=None):
         if max_queue < 0 or rounds_per_dispatch < 1 or (dispatch_ms is not None and not dispatch_ms > 0):
             raise ValueError(f"need max_queue >= 0, rounds_per_dispatch >= 1 and dispatch_ms > 0 (or None), got "
                              f"{max_queue}, {rounds_per_dispatch}, {dispatch_ms}")

@@ -170,7 +170,7 @@ def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog, monkeypat
     slots.release(0)
     monkeypatch.setattr(slots, "measure_round_ms", lambda repeats=3: [4.0])
     for dispatch_ms, cap in ((100.0, 25), (1.0, 1), (1e6, 64), (None, 64)):
-        engine = Engine(slots, tok, dispatch_ms=dispatch_ms)
+        engine = Engine(slots, tok, rounds_per_dispatch=64, dispatch_ms=dispatch_ms)
         assert engine.max_rounds == 64
         engine.warmup(prompts[0][:5], cycles=1)
         assert engine.max_rounds == cap, dispatch_ms
