@@ -161,7 +161,8 @@ def test_prompt_buckets_and_warmup_compile_every_prefill(pair, caplog, monkeypat
     assert any("Compiling" in r.getMessage() for r in caplog.records)
 
     # The engine's rounds per dispatch: those that fit in dispatch_ms at the measured round cost.
-    slots.release(0), slots.release(1)
+    for s in (0, 1):
+        slots.release(s)
     ms = slots.measure_round_ms(repeats=1)
     assert len(ms) == 1 and 0 < ms[0] < 1e3
     slots.insert(0, prompts[0], max_new_tokens=4)
