@@ -143,8 +143,9 @@ def solo(args, target, drafter, tok):
             n_tokens += len(gen.tokens[0])
             same += all(ids == gen.tokens[0] for _, _, ids in srvs)
     where = "its own process" if args.process else "this process"
+    bound = f" and {args.dispatch_ms:g} ms" if args.dispatch_ms else ""
     print(f"concurrency 1, {len(prompts)} eval prompts, {args.tree}, greedy, max_tokens {args.max_tokens}, "
-          f"{args.max_batch} slots, at most {args.rounds_per_dispatch} rounds{f' and {args.dispatch_ms:g} ms' if args.dispatch_ms else ''} per dispatch, server in {where}, "
+          f"{args.max_batch} slots, at most {args.rounds_per_dispatch} rounds{bound} per dispatch, server in {where}, "
           f"fastest of {args.repeats} each:")
     print(f"  generate (batch 1):           {n_tokens} tokens in {gen_s:.3f} s = {n_tokens / gen_s:7.1f} tok/s "
           f"(its stats: the compiled call)")
