@@ -6,11 +6,14 @@ short lines, each depending on the prompt and the previous lines only (so a smal
 learns the procedure), then ``The answer is X.``; :func:`grade` checks it.
 
 * **qa** — a question answered from facts in the prompt (lookup, comparison), little
-  thinking: ``Facts: Kamo is 12 years old and lives in Tirel. … Question: How old is Kamo?``
+  thinking: ``Facts: Kamo is 12 years old. Bosu is 31 years old. … Question: How old is Kamo?``
+  (or who is older / younger of two); the thinking restates the facts it needs word for
+  word, and compares two numbers digit by digit (:func:`compare_line`)
 * **math** — repeated addition or subtraction, 1 to 12 steps:
   ``Start at 17 and add 3, 4 times.`` → ``Step 1: 17 + 3 = 20, 3 left.`` … → ``The answer is 29.``
   (each step counts down the steps left, so that when to stop is read off the last line)
-* **code** — trace a small program (assignments, a loop, a condition) and give what it prints.
+* **code** — trace a small program (assignments, a loop, a condition) and give what it prints;
+  the thinking copies the ``if`` block from the program before deciding it.
 * **tool** — decide on a tool call after thinking and emit it as JSON between
   ``<tool_call>`` and ``</tool_call>``; :func:`run_tasks` runs the tool (:func:`call_tool`: a
   calculator, a price table), appends the result as a ``tool`` turn and the model answers.
@@ -47,6 +50,7 @@ EVAL_SEED = 10_000  # training seeds stay below this
 EVAL_TASKS = 200  # the held-out set: make_tasks(EVAL_TASKS, EVAL_SEED), 50 per family
 DEFAULT_TREE = "chain6"  # the best budget on a 2-core CPU (see the README's benchmark table)
 BENCH_TREES = ("chain4", "chain6", "16,4,4", "32,6,8", "60,7,10")
+MAX_RESPONSE_TOKENS = 320  # covers every family's longest first turn (math, 12 steps: 279 tokens)
 ANSWER_RE = re.compile(r"The answer is (.+?)\.(?:\s|$)")
 
 
@@ -86,7 +90,7 @@ def task_from_dict(task: dict | Task) -> Task:
 # ------------------------------------------------------------------ vocabulary and tools
 @lru_cache(maxsize=1)
 def lexicon(size: int = 600) -> tuple[str, ...]:
-    """Pronounceable made-up words (fixed seed): the names, towns and goods of the tasks."""
+    """Pronounceable made-up words (fixed seed): the names and goods of the tasks."""
     rng = np.random.default_rng(1234)
     onsets = list("bdfgklmnprstvz") + ["br", "tr", "st", "sh", "ch"]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou"]
@@ -98,18 +102,14 @@ def lexicon(size: int = 600) -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
-# Few names, towns and goods, each seen thousands of times in training: with 200 names (each a
+# Few names and goods, each seen thousands of times in training: with 200 names (each a
 # rare token) the target never learned to copy a name from the prompt (teacher-forced loss on
 # names stayed at the uniform ln 200); the tasks still vary by the numbers and the facts.
-N_NAMES, N_TOWNS, N_GOODS = 24, 16, 48
+N_NAMES, N_GOODS = 24, 48
 
 
 def _names() -> tuple[str, ...]:
     return tuple(w.capitalize() for w in lexicon()[:200:8][:N_NAMES])
-
-
-def _towns() -> tuple[str, ...]:
-    return tuple(w.capitalize() for w in lexicon()[200:300:6][:N_TOWNS])
 
 
 def _goods() -> tuple[str, ...]:
@@ -117,8 +117,8 @@ def _goods() -> tuple[str, ...]:
 
 
 def task_words() -> tuple[str, ...]:
-    """Every name, town and good the tasks use."""
-    return _names() + _towns() + _goods()
+    """Every name and good the tasks use."""
+    return _names() + _goods()
 
 
 @lru_cache(maxsize=1)
@@ -176,39 +176,44 @@ def parse_call(text: str) -> dict | None:
 
 
 # ------------------------------------------------------------------ generators
+def compare_line(a: int, op: str, b: int) -> str:
+    """The thinking's comparison of two two-digit numbers, tens first, then the ones only
+    where the tens are equal: ``Is 36 < 39? Tens 3 = 3, ones 6 < 9: yes``.  The target never
+    compared two numbers at a glance reliably (it wrote ``36 < 39, no``); digit by digit each
+    decision is one token against one token."""
+    if not (10 <= a <= 99 and 10 <= b <= 99) or op not in "<>" or len(op) != 1:
+        raise ValueError(f"compare_line takes two two-digit numbers and < or >, got {a!r} {op!r} {b!r}")
+
+    def rel(x: int, y: int) -> str:
+        return "<" if x < y else ">" if x > y else "="
+
+    parts = [f"tens {a // 10} {rel(a // 10, b // 10)} {b // 10}"]
+    if a // 10 == b // 10:
+        parts.append(f"ones {a % 10} {rel(a % 10, b % 10)} {b % 10}")
+    holds = a < b if op == "<" else a > b
+    return f"Is {a} {op} {b}? " + ", ".join(parts).capitalize() + f": {'yes' if holds else 'no'}"
+
+
 def qa_task(rng: np.random.Generator) -> Task:
     n = int(rng.integers(2, 6))
     names = [_names()[i] for i in rng.choice(len(_names()), n, replace=False)]
-    towns = [_towns()[i] for i in rng.choice(len(_towns()), n, replace=False)]
     ages = [int(a) for a in rng.choice(np.arange(10, 90), n, replace=False)]
-    facts = [f"{p} is {a} years old and lives in {t}." for p, a, t in zip(names, ages, towns)]
-    kind = rng.choice(["age", "town", "who", "older", "oldest", "youngest"], p=[0.25, 0.2, 0.15, 0.2, 0.1, 0.1])
+    facts = [f"{p} is {a} years old." for p, a in zip(names, ages)]
+    kind = rng.choice(["age", "older", "younger"], p=[0.35, 0.35, 0.3])
     i, j = (int(x) for x in rng.choice(n, 2, replace=False))
-    # no thinking line starts with a name: a name then has the same token (with its leading
-    # space) in the thinking as in the prompt, so that it is copied, not re-spelt
+    # the thinking restates each fact it needs word for word: after the name (copied from the
+    # question) the rest of the line is the fact's own continuation in the prompt, a plain
+    # copy; no thinking line starts with a name, so a name has the same token (with its
+    # leading space) in the thinking as in the prompt
     if kind == "age":
         q, steps, ans = f"How old is {names[i]}?", [f"Fact: {facts[i]}"], str(ages[i])
-    elif kind == "town":
-        q, steps, ans = f"Where does {names[i]} live?", [f"Fact: {facts[i]}"], towns[i]
-    elif kind == "who":
-        q, steps, ans = f"Who lives in {towns[i]}?", [f"Fact: {facts[i]}"], names[i]
-    elif kind == "older":
-        win = i if ages[i] > ages[j] else j
-        q = f"Who is older, {names[i]} or {names[j]}?"
-        steps = [f"Age of {names[i]}: {ages[i]}.", f"Age of {names[j]}: {ages[j]}.",
-                 f"{max(ages[i], ages[j])} is more than {min(ages[i], ages[j])}, so {names[win]} is older."]
-        ans = names[win]
     else:
-        sign = 1 if kind == "oldest" else -1
-        word = "oldest" if kind == "oldest" else "youngest"
-        q, best, steps = f"Who is the {word}?", 0, [f"Age of {names[0]}: {ages[0]}, the {word} so far."]
-        for k in range(1, n):
-            if sign * ages[k] > sign * ages[best]:
-                best = k
-                steps.append(f"Age of {names[k]}: {ages[k]}, the {word} so far.")
-            else:
-                steps.append(f"Age of {names[k]}: {ages[k]}, so {names[best]} is still the {word}.")
-        ans = names[best]
+        op, word = (">", "older") if kind == "older" else ("<", "younger")
+        win = i if (ages[i] > ages[j]) == (op == ">") else j
+        q = f"Who is {word}, {names[i]} or {names[j]}?"
+        steps = [f"Fact: {facts[i]}", f"Fact: {facts[j]}",
+                 f"{compare_line(ages[i], op, ages[j])}, so {names[win]} is {word}."]
+        ans = names[win]
     return Task("qa", "Facts: " + " ".join(facts) + f" Question: {q}", tuple(steps), ans)
 
 
@@ -229,25 +234,30 @@ def math_task(rng: np.random.Generator) -> Task:
 def code_task(rng: np.random.Generator) -> Task:
     n, y = int(rng.integers(1, 9)), int(rng.integers(2, 10))
     add = rng.random() < 0.6
-    x = int(rng.integers(10, 50)) if add else int(rng.integers(n * y + 10, n * y + 50))
+    # x stays two-digit throughout, so that the condition compares two two-digit numbers
+    x = int(rng.integers(10, min(50, 100 - n * y))) if add else int(rng.integers(n * y + 10, n * y + 50))
     lines, steps = [f"x = {x}", f"y = {y}", f"for i in range({n}):", f"    x = x {'+' if add else '-'} y"], [f"x = {x} and y = {y}."]
     for i in range(n):
         new = x + y if add else x - y
         steps.append(f"i = {i}: x = {x} {'+' if add else '-'} {y} = {new}, {n - 1 - i} left.")
         x = new
-    c, k = int(rng.integers(max(x - 20, 0), x + 20)), int(rng.integers(1, 10))
+    c, k = int(rng.integers(max(x - 20, 10), min(x + 20, 100))), int(rng.integers(1, 10))
     gt, has_else = rng.random() < 0.5, rng.random() < 0.5
     op = ">" if gt else "<"
     lines += [f"if x {op} {c}:", f"    x = x - {k}"] + (["else:", f"    x = x + {k}"] if has_else else []) + ["print(x)"]
     holds = x > c if gt else x < c
+    # the condition and its branches, copied line for line from the program (a plain copy
+    # from where `if x` stands in the prompt), then decided against x's value
+    steps += lines[4:-1]
+    line = compare_line(x, op, c)
     if holds:
-        steps.append(f"Is {x} {op} {c}? Yes: x = {x} - {k} = {x - k}.")
+        steps.append(f"{line}. x = {x} - {k} = {x - k}.")
         x -= k
     elif has_else:
-        steps.append(f"Is {x} {op} {c}? No: x = {x} + {k} = {x + k}.")
+        steps.append(f"{line}. x = {x} + {k} = {x + k}.")
         x += k
     else:
-        steps.append(f"Is {x} {op} {c}? No.")
+        steps.append(f"{line}.")
     return Task("code", "What does this program print?\n" + "\n".join(lines), tuple(steps), str(x))
 
 
@@ -319,18 +329,12 @@ def split_response(text: str) -> tuple[str, str]:
 
 
 def _solve_qa(prompt: str) -> str:
-    people = {m[0]: (int(m[1]), m[2]) for m in re.findall(r"(\w+) is (\d+) years old and lives in (\w+)\.", prompt)}
+    people = {m[0]: int(m[1]) for m in re.findall(r"(\w+) is (\d+) years old\.", prompt)}
     q = prompt.split("Question: ", 1)[1]
     if m := re.fullmatch(r"How old is (\w+)\?", q):
-        return str(people[m[1]][0])
-    if m := re.fullmatch(r"Where does (\w+) live\?", q):
-        return people[m[1]][1]
-    if m := re.fullmatch(r"Who lives in (\w+)\?", q):
-        return next(p for p, (_, town) in people.items() if town == m[1])
-    if m := re.fullmatch(r"Who is older, (\w+) or (\w+)\?", q):
-        return max(m[1], m[2], key=lambda p: people[p][0])
-    if m := re.fullmatch(r"Who is the (oldest|youngest)\?", q):
-        return (max if m[1] == "oldest" else min)(people, key=lambda p: people[p][0])
+        return str(people[m[1]])
+    if m := re.fullmatch(r"Who is (older|younger), (\w+) or (\w+)\?", q):
+        return (max if m[1] == "older" else min)(m[2], m[3], key=people.get)
     raise ValueError(f"not a qa question: {q!r}")
 
 
@@ -417,7 +421,7 @@ def grade(task: dict | Task, text: str) -> bool:
 
 
 # ------------------------------------------------------------------ running tasks
-def run_tasks(target, tokenizer, tasks, *, drafter=None, max_new_tokens: int = 256, tool_tokens: int = 24,
+def run_tasks(target, tokenizer, tasks, *, drafter=None, max_new_tokens: int = MAX_RESPONSE_TOKENS, tool_tokens: int = 24,
               **generate_kw) -> list[dict]:
     """Runs the tasks end to end with :func:`eagle3_jax.generate` (``generate_kw``: tree,
     thinking_budget, temperature, …): one call for all first turns; tool tasks whose first

@@ -100,6 +100,19 @@ def _load_pair(args):
     return target, drafter, _tokenizer(Path(args.target)), False
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def _max_new_tokens(args, is_builtin: bool) -> int:
+    """``--max-new-tokens``, or by default enough for the built-in pair's longest answer (its
+    12-step math thinking alone is 279 tokens), else 256."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    from eagle3_jax import builtin
+
+    return builtin.MAX_RESPONSE_TOKENS if is_builtin else DEFAULT_MAX_NEW_TOKENS
+
+
 def _encode(tok, text: str, raw: bool = False) -> list[int]:
     from eagle3_jax.decode import encode_chat
 
@@ -130,7 +143,7 @@ def _cmd_generate(args) -> int:
             raise ValueError(f"--target {args.target} has no tokenizer: pass --prompt-ids 1,2,3 instead of a text prompt")
         prompts = [_encode(tok, text, args.raw)]
     tree = args.tree or parse_tree(builtin.DEFAULT_TREE if is_builtin else "60,7,10")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    kw = dict(max_new_tokens=_max_new_tokens(args, is_builtin), temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, tree=tree, mesh=_mesh(args), **_thinking_kw(args, tok))
 
     def timed(drafter_):  # the faster of two runs (same seed, same output): compilation and warm-up excluded
@@ -239,7 +252,7 @@ def _cmd_bench(args) -> int:
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
                          repeats=args.repeats, grade=grade, categories=categories, parts=parts,
                          generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args)})
-               for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens]) for t in temperatures]
+               for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
     try:
@@ -304,7 +317,7 @@ def _cmd_experiment(args) -> int:
                   server_kw=dict(max_batch=8, max_len=min(target.config.max_position_embeddings, 1024)))
     report = run_experiment(target, drafter, tok, prompts, grade=grade, categories=categories, details=details,
                             batch_size=args.batch_size,
-                            max_new_tokens=args.max_new_tokens, sampled_temperature=args.sampled_temperature or None,
+                            max_new_tokens=_max_new_tokens(args, is_builtin), sampled_temperature=args.sampled_temperature or None,
                             seed=args.seed, out_dir=out, **kw)
     print("\n".join(report["summary"]))
     print(f"wrote {out}/report.md, report.json, quality_tokens_latency.png and budget_heatmap.png"
@@ -495,7 +508,9 @@ def _common(p):
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
                    help="target attention: xla, or pallas (the tree-attention kernel where one runs: TPU, Hopper "
                         "GPU with bfloat16; XLA elsewhere); *_interpret: a kernel in its CPU interpreter (slow)")
-    p.add_argument("--max-new-tokens", type=_number(int, "max-new-tokens", lo=1), default=256)
+    p.add_argument("--max-new-tokens", type=_number(int, "max-new-tokens", lo=1), default=None,
+                   help=f"default {DEFAULT_MAX_NEW_TOKENS}; generate and experiment on the built-in pair: enough for "
+                        "its longest answer")
     p.add_argument("--top-p", type=_number(float, "top-p", lo=0.0, hi=1.0, lo_open=True), default=1.0,
                    help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=_number(int, "top-k", lo=0), default=0, help="0: no top-k")

@@ -3,6 +3,7 @@ main job (`eagle3-jax generate "PROMPT"`), the bench, and a scaled-down run of t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -23,7 +24,7 @@ def _hand(family, prompt):  # a hand-written task: the grader gets no answer, on
     return {"family": family, "prompt": prompt, "steps": [], "answer": ""}
 
 
-QA = _hand("qa", "Facts: Kamo is 12 years old and lives in Tirel. Bosu is 31 years old and lives in Zan. "
+QA = _hand("qa", "Facts: Kamo is 12 years old. Bosu is 31 years old. Tirel is 27 years old. "
                  "Question: Who is older, Kamo or Bosu?")
 MATH = _hand("math", "Start at 40 and subtract 6, 5 times.")
 CODE = _hand("code", "What does this program print?\nx = 20\ny = 3\nfor i in range(4):\n    x = x - y\n"
@@ -33,7 +34,7 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</to
 
 
 @pytest.mark.parametrize("task, right, wrong", [
-    (QA, "<think>\nKamo is 12.\n</think>\nThe answer is Bosu.", ["The answer is Kamo.", "Bosu.", "The answer is Zan."]),
+    (QA, "<think>\nKamo is 12.\n</think>\nThe answer is Bosu.", ["The answer is Kamo.", "Bosu.", "The answer is Tirel."]),
     (MATH, "<think>\nStep 1: 40 - 6 = 34.\n</think>\nThe answer is 10.",
      ["The answer is 70.", "<think>\nThe answer is 10.\n</think>\n", "The answer is 10"]),
     (CODE, "<think>\nx = 20 and y = 3.\n</think>\nThe answer is 3.", ["The answer is 8.", "The answer is 13."]),
@@ -48,6 +49,35 @@ def test_graders_check_hand_written_answers(task, right, wrong):
     assert builtin.grade(task, right)
     for text in wrong:
         assert not builtin.grade(task, text), text
+
+
+def test_qa_grader_reads_every_question_kind():
+    facts = "Facts: Kamo is 12 years old. Bosu is 31 years old. Tirel is 27 years old. Question: "
+    for q, right in (("How old is Tirel?", "27"), ("Who is older, Tirel or Kamo?", "Tirel"),
+                     ("Who is younger, Bosu or Tirel?", "Tirel")):
+        task = _hand("qa", facts + q)
+        assert builtin.grade(task, f"The answer is {right}.") and not builtin.grade(task, "The answer is 12.")
+    for q in ("Where does Kamo live?", "Who is the oldest?"):
+        with pytest.raises(ValueError, match="not a qa question"):
+            builtin.expected_answer(_hand("qa", facts + q))
+
+
+@pytest.mark.parametrize("a, op, b, line", [
+    (36, "<", 39, "Is 36 < 39? Tens 3 = 3, ones 6 < 9: yes"),
+    (73, "<", 78, "Is 73 < 78? Tens 7 = 7, ones 3 < 8: yes"),
+    (29, ">", 35, "Is 29 > 35? Tens 2 < 3: no"),
+    (81, ">", 19, "Is 81 > 19? Tens 8 > 1: yes"),
+    (44, ">", 44, "Is 44 > 44? Tens 4 = 4, ones 4 = 4: no"),
+    (47, "<", 46, "Is 47 < 46? Tens 4 = 4, ones 7 > 6: no"),
+])
+def test_compare_line_goes_digit_by_digit(a, op, b, line):
+    assert builtin.compare_line(a, op, b) == line
+
+
+def test_compare_line_refuses_what_it_cannot_compare():
+    for a, op, b in ((9, "<", 40), (40, "<", 100), (40, "<=", 41), (40, "", 41)):
+        with pytest.raises(ValueError, match="two two-digit numbers"):
+            builtin.compare_line(a, op, b)
 
 
 def test_tool_check_parts_and_tools():
@@ -76,13 +106,20 @@ def test_tasks_are_reproducible_answered_right_and_short_and_long():
         mine = [t for t in tasks if t.family == fam]
         assert len(mine) == 100
         lengths = [len(t.steps) for t in mine]
-        short, long = {"qa": (1, 4), "math": (1, 10), "code": (3, 10), "tool": (2, 4)}[fam]  # thinking lines
+        short, long = {"qa": (1, 3), "math": (1, 10), "code": (5, 10), "tool": (2, 4)}[fam]  # thinking lines
         assert min(lengths) == short and max(lengths) >= long, (fam, lengths)
     for t in tasks:
         assert t.answer == builtin.expected_answer(t)  # the generator agrees with the independent solver
         whole = t.response() + ("\n" + t.final_line() if t.family == "tool" else "")
         assert builtin.grade(t, whole) and builtin.grade(dataclass_dict(t), whole)
         assert builtin.grade(t, whole.replace(t.steps[-1], ""))  # the answer decides, not the thinking
+        if t.family == "code":  # the if-block copied, then two two-digit numbers compared as compare_line writes it
+            cond = re.search(r"if x ([<>]) (\d+):", t.prompt)
+            block = t.prompt[cond.start():t.prompt.index("\nprint(x)")].split("\n")
+            assert list(t.steps[-1 - len(block):-1]) == block
+            line = t.steps[-1]
+            x = int(re.match(r"Is (\d+) ", line)[1])
+            assert 10 <= x <= 99 and line.startswith(builtin.compare_line(x, cond[1], int(cond[2])))
     thinking, answer = builtin.split_response(tasks[1].response())
     assert thinking.startswith("Step 1: ") and answer == tasks[1].final_line()
     assert [m["role"] for m in tasks[3].messages()] == ["user", "assistant", "tool", "assistant"]
@@ -105,10 +142,8 @@ def test_eval_tasks_never_occur_in_training_data():
 
 def test_drills_are_answered_by_copying_from_the_prompt():
     """The recipe's training-only drills: every answer is copied from the prompt (a repeated
-    list, or the other half of a pair), in the families' own words; they are added at the
-    requested share and never cut short."""
-    import re
-
+    list, or the other half of a pair), in the families' own words, or is a comparison
+    worked digit by digit; they are added at the requested share and never cut short."""
     from eagle3_jax.train import builtin as recipe_mod
 
     rng = np.random.default_rng(0)
@@ -116,7 +151,14 @@ def test_drills_are_answered_by_copying_from_the_prompt():
     kinds = set()
     for _ in range(300):
         t = recipe_mod.drill(rng)
-        assert t.family == "drill" and t.steps == () and t.response().startswith("<think>\n</think>\n")
+        assert t.family == "drill"
+        if m := re.fullmatch(r"Is (\d+) ([<>]) (\d+)\?", t.prompt):
+            kinds.add("compare")
+            a, op, b = int(m[1]), m[2], int(m[3])
+            assert t.steps == (builtin.compare_line(a, op, b) + ".",)
+            assert t.answer == ("yes" if (a < b if op == "<" else a > b) else "no")
+            continue
+        assert t.steps == () and t.response().startswith("<think>\n</think>\n")
         if m := re.fullmatch(r"Copy: (.+)\.", t.prompt):
             kinds.add("copy")
             assert t.answer == m[1] and set(m[1].split()) <= words and m[1].split()[-1] not in "<>"
@@ -126,17 +168,15 @@ def test_drills_are_answered_by_copying_from_the_prompt():
             kinds.add(m[2])
             lookup = dict(pairs) if m[2] == "goes with" else {v: k for k, v in pairs}
             assert len(lookup) == len(pairs) and lookup[m[3]] == t.answer
-    assert kinds == {"copy", "goes with", "comes before"}
+    assert kinds == {"compare", "copy", "goes with", "comes before"}
     text = recipe_mod.training_text(400, 3, cut_fraction=0.5, drill_fraction=0.2)
-    drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:"))]
+    drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:", "Is "))]
     assert len(text) == 500 and len(drills) == 100 and not any(cut for _, cut in drills)
     with pytest.raises(ValueError, match="drill_fraction"):
         recipe_mod.training_text(4, 3, drill_fraction=1.0)
 
 
 def dataclass_dict(task):
-    import dataclasses
-
     return dataclasses.asdict(task)
 
 
@@ -253,6 +293,17 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- the recipe, scaled down
+def test_recipe_cli_refuses_bad_bases(tmp_path, capsys):
+    from eagle3_jax.train import builtin as recipe_mod
+
+    for argv, msg in ((["--from-scratch", "--init-target", str(tmp_path)], "exclude each other"),
+                      (["--init-target", str(tmp_path / "nowhere")], "no saved target")):
+        with pytest.raises(SystemExit):
+            recipe_mod.main(["--work-dir", str(tmp_path / "work"), *argv])
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "work" / "tokenizer").exists()
+
+
 def test_recipe_runs_end_to_end_scaled_down(tmp_path):
     """Every stage of `python -m eagle3_jax.train.builtin` on a tiny budget: the code path the shipped
     pair came from (tokenizer → target → export → drafter pipeline → metrics)."""
@@ -267,6 +318,12 @@ def test_recipe_runs_end_to_end_scaled_down(tmp_path):
     assert len(tok) == 512 and tok.convert_tokens_to_ids(builtin.THINK_CLOSE) != tok.unk_token_id
     model = recipe_mod.train_target(work, recipe, tok)
     recipe_mod.export_target(model, tok, work / "target")
+    # the default recipe fine-tunes a saved target: at learning rate 0 it gives back the weights it loaded
+    tuned = recipe_mod.train_target(tmp_path / "tune", dataclasses.replace(recipe, target_lr=0.0), tok, init=work / "target")
+    loaded = eagle3_jax.load_target(work / "target", dtype="float32")
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.to_pure_dict(nnx.state(tuned, nnx.Param)),
+                        nnx.to_pure_dict(nnx.state(loaded, nnx.Param)))
+    assert all(jax.tree.leaves(same))
     recipe_mod.train_drafter(work, recipe, ["fit.steps=2", "fit.save_every=2", "fit.buckets=[64]",
                                             "regenerate.max_new_tokens=16", "draft_vocab_size=128"])
     target = eagle3_jax.load_target(work / "target", dtype="float32")

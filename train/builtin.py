@@ -1,16 +1,23 @@
 """The recipe of the built-in pair (``eagle3_jax.builtin``): one command retrains the
-reasoning target and its EAGLE-3 drafter from scratch on a CPU, then reports their metrics.
+reasoning target and its EAGLE-3 drafter on a CPU, then reports their metrics.
 
     python -m eagle3_jax.train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
 
-Stages (each resumes from ``work_dir`` when re-run; their seconds go to ``stages.json``): a
-byte-level BPE tokenizer (one token per digit, a ``tool`` role) trained on the task text of
-the four families (``eagle3_jax.builtin``); the target, a 16-layer Llama trained as a causal
-LM on generated tasks (loss on the assistant turns; 15% of the examples cut their thinking
-short, with no loss on the forced ``</think>``, so that the model answers whatever thinking it
-was allowed but never learns to stop early; a fifth of the examples are copy / recall
-drills, :func:`drill`); the drafter, by the project's own pipeline
-(``configs/builtin.yaml``: regenerate → vocab → fit → export) on the target's own first turns;
+By default the target is a fine-tune of ``train/base_target`` (the pair's previous target:
+10 000 steps from scratch, :data:`SCRATCH`, on the tasks as they were at commit ``9a961fb``,
+with qa facts that also named a town and comparisons written at a glance), which has already
+learned the families' formats; ``--from-scratch`` trains one from a random initialisation
+instead.
+
+Stages (each resumes from ``work_dir`` when re-run; their seconds go to ``stages.json``): the
+tokenizer (the base's; from scratch, a byte-level BPE, one token per digit, a ``tool`` role,
+trained on the task text of the four families, ``eagle3_jax.builtin``); the target, a
+16-layer Llama trained as a causal LM on generated tasks (loss on the assistant turns; 15% of
+the examples cut their thinking short, with no loss on the forced ``</think>``, so that the
+model answers whatever thinking it was allowed but never learns to stop early; a fifth of the
+examples are copy / recall / comparison drills, :func:`drill`); the drafter, by the
+project's own pipeline (``configs/builtin.yaml``: regenerate → vocab → fit → export) on the
+target's own first turns;
 then the held-out metrics (per family: accuracy per thinking budget, the tool calls' checks,
 drafter τ per tree, greedy identity) written to ``metrics.json``.
 """
@@ -51,15 +58,21 @@ class Recipe:
     target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.15       # share of examples whose thinking is cut short
     drill_fraction: float = 0.2      # share of target examples that are copy / recall drills (training only)
-    target_steps: int = 10_000
+    init_target: str | None = "train/base_target"  # fine-tune this saved target (under the repository); None: from scratch
+    target_steps: int = 2_500        # from scratch: 10 000 (SCRATCH)
     target_batch: int = 8
-    seq_len: int = 288
-    target_lr: float = 3e-3
+    seq_len: int = 352             # the longest response (math, 12 steps: 279 tokens) and its prompt fit one window
+    target_lr: float = 1.5e-3        # from scratch: 3e-3 (SCRATCH)
     warmup_steps: int = 100
     decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
     drafter_conversations: int = 4000
     eval_tasks: int = 200
     budgets: tuple[int, ...] = (0, 16, 64)  # thinking tokens allowed (plus unlimited)
+
+
+# a run from scratch: the steps and learning rate that trained train/base_target (on the tasks of
+# commit 9a961fb, in 288-token windows)
+SCRATCH = dict(init_target=None, target_steps=10_000, target_lr=3e-3)
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -82,15 +95,24 @@ def build_tokenizer(work: Path, recipe: Recipe):
 
 
 def drill(rng: np.random.Generator) -> builtin.Task:
-    """A training-only drill that nothing but copying from the prompt can answer: repeat a
-    list of words, or give what goes with a key in a list of pairs (either way round).
+    """A training-only drill: repeat a list of words, give what goes with a key in a list of
+    pairs (either way round) -- nothing but copying from the prompt answers those -- or
+    compare two two-digit numbers digit by digit (:func:`eagle3_jax.builtin.compare_line`).
 
     The 10 000-step run without drills never learned to copy a name or an operator from the
     prompt (teacher-forced loss on names stayed at ln 24; the input rows of ``<`` and ``>``
     ended at cosine 0.91), so qa answered one name and code misread its condition.  The words
-    are the families' own names, towns, goods and comparison operators."""
+    are the families' own names, goods and comparison operators."""
+    kind = rng.random()
+    if kind < 0.25:
+        a, b = (int(v) for v in rng.integers(10, 100, 2))
+        if rng.random() < 0.4:  # equal tens, where the ones decide
+            b = 10 * (a // 10) + int(rng.integers(10))
+        op = "<>"[int(rng.integers(2))]
+        line = builtin.compare_line(a, op, b)
+        return builtin.Task("drill", line.split("? ")[0] + "?", (line + ".",), line.rsplit(": ", 1)[1])
     words = [*builtin.task_words(), "<", ">"]
-    if rng.random() < 0.5:
+    if kind < 0.6:
         k = int(rng.integers(3, 9))
         items = [words[i] for i in rng.choice(len(words) - 2, k, replace=False)]
         for pos in rng.choice(k - 1, int(rng.integers(0, 3)), replace=False):  # operators, never last
@@ -156,7 +178,7 @@ def lm_stream(examples, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def lr_schedule(recipe: Recipe):
     """Warmup, constant, linear decay: up to the decay the schedule does not depend on the
     total, so a longer run can resume from any checkpoint taken before its decay began."""
-    decay_start = int(recipe.target_steps * (1 - recipe.decay_fraction))
+    decay_start = max(recipe.warmup_steps, int(recipe.target_steps * (1 - recipe.decay_fraction)))
     return optax.join_schedules([
         optax.linear_schedule(0.0, recipe.target_lr, recipe.warmup_steps),
         optax.constant_schedule(recipe.target_lr),
@@ -164,13 +186,19 @@ def lr_schedule(recipe: Recipe):
     ], [recipe.warmup_steps, decay_start])
 
 
-def train_target(work: Path, recipe: Recipe, tok):
+def train_target(work: Path, recipe: Recipe, tok, init: Path | None = None):
     """Trains the target as a causal LM; windows start at an example boundary and run on
-    into the next examples.  Checkpoints every 100 steps; a re-run resumes."""
+    into the next examples.  ``init``: a saved target to fine-tune instead of a random
+    initialisation (its tokenizer is the run's).  Checkpoints every 100 steps; a re-run
+    resumes."""
     from eagle3_jax.models.target import Target
 
-    cfg = target_config(recipe, tok)
-    model = Target(cfg, rngs=nnx.Rngs(recipe.seed))
+    if init is not None:
+        from eagle3_jax.checkpoint import load_target
+
+        model = load_target(init, dtype="float32")
+    else:
+        model = Target(target_config(recipe, tok), rngs=nnx.Rngs(recipe.seed))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
     ids, mask, starts = lm_stream(training_text(recipe.target_tasks, recipe.seed, recipe.cut_fraction,
                                                 recipe.drill_fraction), tok)
@@ -260,7 +288,7 @@ def _tool_rows(outcomes: list[dict]) -> dict:
     return {k: float(np.mean([c[k] for c in checks])) for k in checks[0]} if checks else {}
 
 
-def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = 256, trees=EVAL_TREES) -> dict:
+def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: int = builtin.MAX_RESPONSE_TOKENS, trees=EVAL_TREES) -> dict:
     """On the held-out tasks (:func:`eagle3_jax.builtin.run_tasks`, tool turns included):
     per family × thinking budget B, accuracy, thinking / answer tokens and timeouts (vanilla
     greedy); the tool calls' checks at unlimited B; per family × tree, greedy τ and token
@@ -310,19 +338,38 @@ def _timed(work: Path, stage: str, fn):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="retrain the built-in target and drafter from scratch")
+    p = argparse.ArgumentParser(description="retrain the built-in target (a fine-tune of train/base_target, or from "
+                                            "scratch) and its drafter, evaluate them and install the pair")
     p.add_argument("--work-dir", default="runs/builtin")
     p.add_argument("--out", default=str(builtin.ASSETS), help="where the pair is installed (the package's assets)")
-    p.add_argument("--target-steps", type=int, default=Recipe.target_steps)
+    p.add_argument("--from-scratch", action="store_true",
+                   help=f"train the target from a random initialisation and a tokenizer of its own ({SCRATCH['target_steps']} "
+                        f"steps at lr {SCRATCH['target_lr']}) instead of fine-tuning {Recipe.init_target}")
+    p.add_argument("--init-target", default=None, help=f"the saved target to fine-tune (default {Recipe.init_target}); "
+                                                       "the run keeps its tokenizer")
+    p.add_argument("--target-steps", type=int, default=None, help="default: the recipe's (or SCRATCH's)")
+    p.add_argument("--target-lr", type=float, default=None, help="default: the recipe's (or SCRATCH's)")
     p.add_argument("--stage", choices=["all", "target", "drafter", "eval"], default="all")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, e.g. fit.steps=400")
     args = p.parse_args(argv)
-    recipe = Recipe(target_steps=args.target_steps)
+    if args.from_scratch and args.init_target:
+        p.error("--from-scratch and --init-target exclude each other")
+    given = {k: v for k, v in (("init_target", args.init_target), ("target_steps", args.target_steps),
+                               ("target_lr", args.target_lr)) if v is not None}
+    recipe = Recipe(**{**(SCRATCH if args.from_scratch else {}), **given})
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    # the recipe's base lies under the repository; a path given on the command line is the caller's
+    init = Path(args.init_target) if args.init_target else None if recipe.init_target is None else ROOT / recipe.init_target
+    if init is not None and not (work / "tokenizer" / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        if not (init / "config.json").exists():
+            p.error(f"--init-target: no saved target (config.json) in {init}")
+        AutoTokenizer.from_pretrained(str(init), local_files_only=True).save_pretrained(str(work / "tokenizer"))
     tok = build_tokenizer(work, recipe)
     if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
-        _timed(work, "target", lambda: export_target(train_target(work, recipe, tok), tok, work / "target"))
+        _timed(work, "target", lambda: export_target(train_target(work, recipe, tok, init), tok, work / "target"))
     if args.stage in ("all", "drafter") and not (work / "drafter" / "config.json").exists():
         _timed(work, "drafter", lambda: train_drafter(work, recipe, args.overrides))
     if args.stage in ("all", "eval"):
