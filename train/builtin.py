@@ -360,12 +360,14 @@ def main(argv=None):
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     # the recipe's base lies under the repository; a path given on the command line is the caller's
-    init = Path(args.init_target) if args.init_target else None if recipe.init_target is None else ROOT / recipe.init_target
+    init = None
+    if recipe.init_target is not None:
+        init = Path(args.init_target) if args.init_target else ROOT / recipe.init_target
+        if not (init / "config.json").exists():
+            p.error(f"--init-target: no saved target (config.json) in {init}")
     if init is not None and not (work / "tokenizer" / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
-        if not (init / "config.json").exists():
-            p.error(f"--init-target: no saved target (config.json) in {init}")
         AutoTokenizer.from_pretrained(str(init), local_files_only=True).save_pretrained(str(work / "tokenizer"))
     tok = build_tokenizer(work, recipe)
     if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
