@@ -194,11 +194,17 @@ def compare_line(a: int, op: str, b: int) -> str:
     return f"Is {a} {op} {b}? " + ", ".join(parts).capitalize() + f": {'yes' if holds else 'no'}"
 
 
-def qa_task(rng: np.random.Generator) -> Task:
-    n = int(rng.integers(2, 6))
+def age_facts(rng: np.random.Generator, n: int) -> tuple[list[str], list[int], list[str]]:
+    """``n`` distinct names, distinct ages in [10, 90) and the facts that bind them
+    (``Gachotol is 20 years old.``): the prompt of a qa task, and of the recipe's recall drill."""
     names = [_names()[i] for i in rng.choice(len(_names()), n, replace=False)]
     ages = [int(a) for a in rng.choice(np.arange(10, 90), n, replace=False)]
-    facts = [f"{p} is {a} years old." for p, a in zip(names, ages)]
+    return names, ages, [f"{p} is {a} years old." for p, a in zip(names, ages)]
+
+
+def qa_task(rng: np.random.Generator) -> Task:
+    n = int(rng.integers(2, 6))
+    names, ages, facts = age_facts(rng, n)
     kind = rng.choice(["age", "older", "younger"], p=[0.35, 0.35, 0.3])
     i, j = (int(x) for x in rng.choice(n, 2, replace=False))
     # the thinking restates each fact it needs word for word: after the name (copied from the

@@ -142,7 +142,7 @@ def test_eval_tasks_never_occur_in_training_data():
 
 def test_drills_are_answered_by_copying_from_the_prompt():
     """The recipe's training-only drills: every answer is copied from the prompt (a repeated
-    list, or the other half of a pair), in the families' own words, or is a comparison
+    list, the other half of a pair, facts restated by name), in the families' own words, or is a comparison
     worked digit by digit; they are added at the requested share and never cut short."""
     from eagle3_jax.train import builtin as recipe_mod
 
@@ -158,6 +158,13 @@ def test_drills_are_answered_by_copying_from_the_prompt():
             assert t.steps == (builtin.compare_line(a, op, b) + ".",)
             assert t.answer == ("yes" if (a < b if op == "<" else a > b) else "no")
             continue
+        if m := re.fullmatch(r"Facts: (.+) Recall: (.+)\.", t.prompt):
+            kinds.add("recall")
+            facts = {f.split(" is ")[0]: f + "." for f in m[1].removesuffix(".").split(". ")}
+            asked = m[2].split(", ")
+            assert len(set(asked)) == len(asked) and t.steps == tuple(f"Fact: {facts[n]}" for n in asked)
+            assert t.answer == facts[asked[-1]].split()[2]
+            continue
         assert t.steps == () and t.response().startswith("<think>\n</think>\n")
         if m := re.fullmatch(r"Copy: (.+)\.", t.prompt):
             kinds.add("copy")
@@ -168,9 +175,9 @@ def test_drills_are_answered_by_copying_from_the_prompt():
             kinds.add(m[2])
             lookup = dict(pairs) if m[2] == "goes with" else {v: k for k, v in pairs}
             assert len(lookup) == len(pairs) and lookup[m[3]] == t.answer
-    assert kinds == {"compare", "copy", "goes with", "comes before"}
+    assert kinds == {"compare", "recall", "copy", "goes with", "comes before"}
     text = recipe_mod.training_text(400, 3, cut_fraction=0.5, drill_fraction=0.2)
-    drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:", "Is "))]
+    drills = [(c, cut) for c, cut in text if c[0]["content"].startswith(("Copy:", "Pairs:", "Is ")) or " Recall: " in c[0]["content"]]
     assert len(text) == 500 and len(drills) == 100 and not any(cut for _, cut in drills)
     with pytest.raises(ValueError, match="drill_fraction"):
         recipe_mod.training_text(4, 3, drill_fraction=1.0)

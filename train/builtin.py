@@ -3,18 +3,18 @@ reasoning target and its EAGLE-3 drafter on a CPU, then reports their metrics.
 
     python -m eagle3_jax.train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
 
-By default the target is a fine-tune of ``train/base_target`` (the pair's previous target:
-10 000 steps from scratch, :data:`SCRATCH`, on the tasks as they were at commit ``9a961fb``,
-with qa facts that also named a town and comparisons written at a glance), which has already
-learned the families' formats; ``--from-scratch`` trains one from a random initialisation
-instead.
+By default the target is a fine-tune of ``train/base_target``, the pair's previous target,
+which has already learned the families' formats: the target shipped at commit ``ad9d164``,
+itself this recipe's 2 500-step fine-tune (before the recall drill) of a target trained
+10 000 steps from scratch (:data:`SCRATCH`) on the tasks as they were at commit ``9a961fb``.
+``--from-scratch`` trains one from a random initialisation instead.
 
 Stages (each resumes from ``work_dir`` when re-run; their seconds go to ``stages.json``): the
 tokenizer (the base's; from scratch, a byte-level BPE, one token per digit, a ``tool`` role,
 trained on the task text of the four families, ``eagle3_jax.builtin``); the target, a
 16-layer Llama trained as a causal LM on generated tasks (loss on the assistant turns; 15% of
 the examples cut their thinking short, with no loss on the forced ``</think>``, so that the
-model answers whatever thinking it was allowed but never learns to stop early; a fifth of the
+model answers whatever thinking it was allowed but never learns to stop early; a quarter of the
 examples are copy / recall / comparison drills, :func:`drill`); the drafter, by the
 project's own pipeline (``configs/builtin.yaml``: regenerate → vocab → fit → export) on the
 target's own first turns;
@@ -57,7 +57,7 @@ class Recipe:
     max_position_embeddings: int = 512
     target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
     cut_fraction: float = 0.15       # share of examples whose thinking is cut short
-    drill_fraction: float = 0.2      # share of target examples that are copy / recall drills (training only)
+    drill_fraction: float = 0.25     # share of target examples that are copy / recall / comparison drills (training only)
     init_target: str | None = "train/base_target"  # fine-tune this saved target (under the repository); None: from scratch
     target_steps: int = 2_500        # from scratch: 10 000 (SCRATCH)
     target_batch: int = 8
@@ -96,8 +96,14 @@ def build_tokenizer(work: Path, recipe: Recipe):
 
 def drill(rng: np.random.Generator) -> builtin.Task:
     """A training-only drill: repeat a list of words, give what goes with a key in a list of
-    pairs (either way round) -- nothing but copying from the prompt answers those -- or
-    compare two two-digit numbers digit by digit (:func:`eagle3_jax.builtin.compare_line`).
+    pairs (either way round), restate facts of the qa format by name (``Recall: Bena,
+    Gibun.`` → ``Fact: Bena is 54 years old.`` ...) -- nothing but copying from the prompt
+    answers those -- or compare two two-digit numbers digit by digit
+    (:func:`eagle3_jax.builtin.compare_line`).
+
+    The recall drill came after the first fine-tune: its target restated only 28 of 84 facts
+    right (the name right, the age another fact's), so qa stayed at 0.38; a qa task has one
+    or two lookups, a recall drill up to six.
 
     The 10 000-step run without drills never learned to copy a name or an operator from the
     prompt (teacher-forced loss on names stayed at ln 24; the input rows of ``<`` and ``>``
@@ -111,8 +117,14 @@ def drill(rng: np.random.Generator) -> builtin.Task:
         op = "<>"[int(rng.integers(2))]
         line = builtin.compare_line(a, op, b)
         return builtin.Task("drill", line.split("? ")[0] + "?", (line + ".",), line.rsplit(": ", 1)[1])
+    if kind < 0.5:  # recall: restate facts by name, the qa thinking's lookup, several to an example
+        n = int(rng.integers(2, 7))
+        names, ages, facts = builtin.age_facts(rng, n)
+        order = [int(i) for i in rng.permutation(n)[:int(rng.integers(1, n + 1))]]
+        return builtin.Task("drill", "Facts: " + " ".join(facts) + " Recall: " + ", ".join(names[i] for i in order) + ".",
+                            tuple(f"Fact: {facts[i]}" for i in order), str(ages[order[-1]]))
     words = [*builtin.task_words(), "<", ">"]
-    if kind < 0.6:
+    if kind < 0.7:
         k = int(rng.integers(3, 9))
         items = [words[i] for i in rng.choice(len(words) - 2, k, replace=False)]
         for pos in rng.choice(k - 1, int(rng.integers(0, 3)), replace=False):  # operators, never last
