@@ -955,25 +955,32 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
 # ids, limits and thinking budgets are per-row arrays, so one compiled program serves them all.
 
 
-def _put_row(st: _State, row: _State, slot) -> _State:
-    """``st`` with row ``slot`` replaced by the one-row state ``row`` (its caches may be shorter:
-    the slots past the prompt are scratch); the policy's state and the loop counter are kept."""
-    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, slot, 0)  # noqa: E731
+def _row_axes(st: _State) -> _State:
+    """The batch axis of every array of ``st``, in its shape (-1: shared by the rows, the loop
+    counter and the policy's state)."""
+    cache = lambda c: None if c is None else kv_cache.KVCache(1, 1, 0)  # noqa: E731  ([L, B, S, K, D] keys and values)
+    return dataclasses.replace(jax.tree.map(lambda _: 0, st), tcache=cache(st.tcache), dcache=cache(st.dcache),
+                               step=-1, ctl=jax.tree.map(lambda _: -1, st.ctl))
 
-    def cache(big: kv_cache.KVCache, small: kv_cache.KVCache):
-        at = (0, slot, 0, 0, 0)
-        return kv_cache.KVCache(jax.lax.dynamic_update_slice(big.k, small.k.astype(big.k.dtype), at),
-                                jax.lax.dynamic_update_slice(big.v, small.v.astype(big.v.dtype), at),
-                                put(big.lengths, small.lengths))
 
-    rows = lambda big, small: None if big is None else jax.tree.map(put, big, small)  # noqa: E731
-    return dataclasses.replace(
-        st, tcache=cache(st.tcache, row.tcache), dcache=None if st.dcache is None else cache(st.dcache, row.dcache),
-        root=put(st.root, row.root), last_hidden=rows(st.last_hidden, row.last_hidden), out=put(st.out, row.out),
-        n_out=put(st.n_out, row.n_out), done=put(st.done, row.done), accept=put(st.accept, row.accept),
-        rounds=put(st.rounds, row.rounds), key=put(st.key, row.key), stops=put(st.stops, row.stops),
-        limit=put(st.limit, row.limit), sampling=rows(st.sampling, row.sampling), think=rows(st.think, row.think),
-        round_tier=rows(st.round_tier, row.round_tier))
+def _put_rows(st: _State, rows: _State, at) -> _State:
+    """``st`` with rows ``[at, at + n)`` replaced by the ``n``-row state ``rows`` (its caches may
+    be shorter: the slots past the prompt are scratch); the loop counter and the policy's state
+    are ``st``'s."""
+    def put(big, small, axis):
+        if axis < 0:
+            return big
+        start = [0] * big.ndim
+        start[axis] = at
+        return jax.lax.dynamic_update_slice(big, small if small.dtype == big.dtype else small.astype(big.dtype), start)
+
+    rows = dataclasses.replace(rows, step=st.step, ctl=st.ctl)  # a prefilled row has no policy of its own
+    return jax.tree.map(put, st, rows, _row_axes(st))
+
+
+def _first_rows(st: _State, n: int) -> _State:
+    """Rows ``[0, n)`` of ``st`` (the loop counter and the policy's state whole)."""
+    return jax.tree.map(lambda x, axis: x if axis < 0 else jax.lax.slice_in_dim(x, 0, n, axis=axis), st, _row_axes(st))
 
 
 def _slots_empty(tgraph, tstate, dgraph, dstate, round_ms_T, learned, *, slots: int, max_len: int, stops: int,
@@ -1002,14 +1009,19 @@ def _slot_insert(tgraph, tstate, dgraph, dstate, st: _State, slot, prompt_1xT, l
     key_1 = jax.random.fold_in(jax.random.key(seed), 0)[None]
     row = _prefill(target, drafter, prompt_1xT, length_1, key_1, budget_1, phase_1, stops_1xS, limit_1,
                    RowSampling(temperature_1, top_p_1, top_k_1), cache_len=prompt_1xT.shape[1], loop=loop)
-    return _put_row(st, row, slot)
+    return _put_rows(st, row, slot)
 
 
-def _slot_rounds(tgraph, tstate, dgraph, dstate, st: _State, cap, force_tier, *, loop: _Loop) -> _State:
-    """Up to ``cap`` rounds of every active slot."""
+def _slot_rounds(tgraph, tstate, dgraph, dstate, st: _State, cap, force_tier, *, loop: _Loop, rows: int) -> _State:
+    """Up to ``cap`` rounds of every active slot, all of them in the first ``rows`` rows: the
+    rounds run on those rows only (their cost follows the requests, not the slots), which are
+    then written back."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
-    return _rounds(target, drafter, st, loop, force_tier, cap)
+    if rows == st.done.shape[0]:
+        return _rounds(target, drafter, st, loop, force_tier, cap)
+    sub = _rounds(target, drafter, _first_rows(st, rows), loop, force_tier, cap)
+    return dataclasses.replace(_put_rows(st, sub, 0), step=sub.step, ctl=sub.ctl)
 
 
 def _slot_snapshot(st: _State) -> dict:
@@ -1054,12 +1066,13 @@ def _slot_programs(tgraph, dgraph, tdef, ddef, loop: _Loop):
             st = _slot_insert(tgraph, ts, dgraph, ds, *a, loop=loop)
             return st, _slot_snapshot(st)
 
-        def rounds(tl, dl, st, cap, tier):
+        def rounds(tl, dl, st, cap, tier, rows):
             ts, ds = states(tl, dl)
-            st = _slot_rounds(tgraph, ts, dgraph, ds, st, cap, tier, loop=loop)
+            st = _slot_rounds(tgraph, ts, dgraph, ds, st, cap, tier, loop=loop, rows=rows)
             return st, _slot_snapshot(st)
 
-        _SLOT_PROGRAMS[key] = (jax.jit(insert, donate_argnums=(2,)), jax.jit(rounds, donate_argnums=(2,)))
+        _SLOT_PROGRAMS[key] = (jax.jit(insert, donate_argnums=(2,)),
+                               jax.jit(rounds, donate_argnums=(2,), static_argnums=(5,)))
         while len(_SLOT_PROGRAMS) > COMPILE_CACHE_SIZE:
             _SLOT_PROGRAMS.popitem(last=False)
     return _SLOT_PROGRAMS[key]
@@ -1096,7 +1109,8 @@ class Slots:
     """The device half of continuous batching: ``num_slots`` rows of batched caches of
     ``max_len`` positions, requests prefilled into free rows while the others keep decoding.
 
-    Every dispatch (:meth:`run`) runs the rounds ``generate`` runs, on every active row at once;
+    Every dispatch (:meth:`run`) runs the rounds ``generate`` runs, on every active row at once
+    (on the fewest leading rows that hold them, :meth:`dispatch_rows`);
     sampling parameters, seeds, stop ids, token limits and thinking budgets are per-row arrays,
     so one compiled program serves any mix of requests.  A greedy request gets exactly the
     tokens ``generate`` gives it alone; a sampled request's tokens depend only on its seed when
@@ -1271,8 +1285,24 @@ class Slots:
         """Dispatches up to ``rounds`` rounds of every active slot (returns at once)."""
         self._dispatch(_int_arg("rounds", rounds, 1), -1)
 
+    def row_buckets(self) -> list[int]:
+        """The row counts a dispatch runs on: powers of two below ``num_slots``, then ``num_slots``
+        (one compiled dispatch each; a server warms them all up)."""
+        out = [1]
+        while out[-1] < self.num_slots:
+            out.append(min(2 * out[-1], self.num_slots))
+        return out
+
+    def dispatch_rows(self) -> int:
+        """The rows the next dispatch runs on: the smallest of :meth:`row_buckets` that holds
+        every busy slot (a server fills the lowest free slot first, so a lone request's rounds
+        cost one row's, not ``num_slots``')."""
+        last = max((s for s, b in enumerate(self._busy) if b), default=0)
+        return next(n for n in self.row_buckets() if n > last)
+
     def _dispatch(self, rounds: int, force_tier: int):
-        self._state, snap = self._rounds_fn(*self._leaves, self._state, np.int32(rounds), np.int32(force_tier))
+        self._state, snap = self._rounds_fn(*self._leaves, self._state, np.int32(rounds), np.int32(force_tier),
+                                            self.dispatch_rows())
         self._snaps.append((snap, self._meta()))
 
     def _meta(self):

@@ -191,21 +191,23 @@ class Engine:
 
     def warmup(self, prompt_ids, cycles: int = 3):
         """Compiles the engine's programs (prefill, dispatches, release, poll) on a short greedy
-        request in slot 0, ``cycles`` times over (a program whose input state came from another
-        program may compile again), then the prefill of every prompt bucket (so that no request
+        request in the last slot of every row bucket (``Slots.row_buckets``: a dispatch compiles
+        per row count), ``cycles`` times over in slot 0 (a program whose input state came from
+        another program may compile again), then the prefill of every prompt bucket (so that no request
         waits for a compilation, and no running stream stalls for one); then bounds the rounds
         per dispatch by ``dispatch_ms`` (``max_rounds``).  Call before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
         s = self.slots
         prompt_ids = list(prompt_ids)
-        for _ in range(cycles):
-            s.insert(0, prompt_ids, max_new_tokens=max(1, min(8, s.max_new_tokens_for(len(prompt_ids)))))
-            s.run(1)
-            s.run(self.rounds_per_dispatch)
-            s.poll()
-            s.release(0)
-            s.poll()
+        for i, rows in enumerate(s.row_buckets()):
+            for _ in range(cycles if i == 0 else 1):  # the states' kinds are settled by then
+                s.insert(rows - 1, prompt_ids, max_new_tokens=max(1, min(8, s.max_new_tokens_for(len(prompt_ids)))))
+                s.run(1)
+                s.run(self.rounds_per_dispatch)
+                s.poll()
+                s.release(rows - 1)
+                s.poll()
         for n in s.warm_buckets():
             s.insert(0, (prompt_ids * n)[:n], max_new_tokens=1)
             s.poll()

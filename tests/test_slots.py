@@ -206,3 +206,32 @@ def test_lagging_poll_after_release_and_reinsert(pair):
     v = slots.poll(lag=1)[0]
     assert v.ticket == second and v.done and len(v.tokens) <= 5
     slots.insert(0, prompts[2], max_new_tokens=4)  # seen done with its own ticket: the slot is free
+
+
+def test_dispatch_runs_the_fewest_rows_that_hold_the_busy_slots(pair):
+    """A dispatch runs on the leading rows that hold every busy slot (a power of two, at most
+    the slots): a lone request in slot 0 costs one row's rounds, not the batch's.  Requests
+    get generate's tokens whichever row count their rounds ran at."""
+    target, drafter, tok, prompts = pair
+    tree = TreeConfig.chain(4)
+    slots = Slots(target, drafter, num_slots=5, max_len=192, speculation=tree, tokenizer=tok)
+    assert slots.row_buckets() == [1, 2, 4, 5] and slots.dispatch_rows() == 1
+    want = [eagle3_jax.generate(target, drafter, [p], max_new_tokens=MAX_NEW, tree=tree).tokens[0] for p in prompts[:3]]
+    slots.insert(4, prompts[2], max_new_tokens=MAX_NEW)
+    assert slots.dispatch_rows() == 5
+    slots.run(2)  # all five rows
+    v = slots.poll()[4]
+    assert len(v.tokens) >= 3 and v.tokens == want[2][:len(v.tokens)]
+    slots.insert(2, prompts[1], max_new_tokens=MAX_NEW)
+    slots.insert(0, prompts[0], max_new_tokens=MAX_NEW)
+    assert slots.dispatch_rows() == 5
+    slots.release(4)
+    assert slots.dispatch_rows() == 4
+    slots.run(3)  # rows 0-3
+    v = slots.poll()[2]
+    assert len(v.tokens) >= 4 and v.tokens == want[1][:len(v.tokens)]
+    slots.release(2)
+    assert slots.dispatch_rows() == 1
+    while not (v := slots.poll()[0]).done:
+        slots.run(8)  # row 0 alone
+    assert v.tokens == want[0]
