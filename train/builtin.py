@@ -59,7 +59,7 @@ class Recipe:
     cut_fraction: float = 0.15       # share of examples whose thinking is cut short
     drill_fraction: float = 0.25     # share of target examples that are copy / recall / comparison drills (training only)
     init_target: str | None = "train/base_target"  # fine-tune this saved target (under the repository); None: from scratch
-    target_steps: int = 2_500        # from scratch: 10 000 (SCRATCH)
+    target_steps: int = 3_000        # from scratch: 10 000 (SCRATCH)
     target_batch: int = 8
     seq_len: int = 352             # the longest response (math, 12 steps: 279 tokens) and its prompt fit one window
     target_lr: float = 1.5e-3        # from scratch: 3e-3 (SCRATCH)
