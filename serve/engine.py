@@ -191,11 +191,12 @@ class Engine:
 
     def warmup(self, prompt_ids, cycles: int = 3):
         """Compiles the engine's programs (prefill, dispatches, release, poll) on a short greedy
-        request in the last slot of every row bucket (``Slots.row_buckets``: a dispatch compiles
-        per row count), ``cycles`` times over in slot 0 (a program whose input state came from
-        another program may compile again), then the prefill of every prompt bucket (so that no request
-        waits for a compilation, and no running stream stalls for one); then bounds the rounds
-        per dispatch by ``dispatch_ms`` (``max_rounds``).  Call before :meth:`start`."""
+        request: ``cycles`` times over in slot 0 (a program whose input state came from another
+        program may compile again), then once in the last slot of every larger row bucket
+        (``Slots.row_buckets``: a dispatch compiles per row count); then the prefill of every
+        prompt bucket (so that no request waits for a compilation, and no running stream stalls
+        for one); then bounds the rounds per dispatch by ``dispatch_ms`` (``max_rounds``).  Call
+        before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
         s = self.slots
