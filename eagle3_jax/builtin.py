@@ -181,7 +181,7 @@ def compare_line(a: int, op: str, b: int) -> str:
     where the tens are equal: ``Is 36 < 39? Tens 3 = 3, ones 6 < 9: yes``.  The target never
     compared two numbers at a glance reliably (it wrote ``36 < 39, no``); digit by digit each
     decision is one token against one token."""
-    if not (10 <= a <= 99 and 10 <= b <= 99) or op not in "<>" or len(op) != 1:
+    if not (10 <= a <= 99 and 10 <= b <= 99) or op not in ("<", ">"):
         raise ValueError(f"compare_line takes two two-digit numbers and < or >, got {a!r} {op!r} {b!r}")
 
     def rel(x: int, y: int) -> str:

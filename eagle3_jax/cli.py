@@ -252,7 +252,7 @@ def _cmd_bench(args) -> int:
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
                          repeats=args.repeats, grade=grade, categories=categories, parts=parts,
                          generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args)})
-               for max_new in (args.max_new_tokens_sweep or [args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS]) for t in temperatures]
+               for max_new in (args.max_new_tokens_sweep or [_max_new_tokens(args, is_builtin=False)]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
     try:
