@@ -461,6 +461,13 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
     return _COMPILED[cache_key]
 
 
+def clear_compiled():
+    """Drops the compiled loops kept for reuse (and their measured round costs), freeing their
+    executables' memory once nothing else holds them (``jax.clear_caches`` does not reach these)."""
+    _COMPILED.clear()
+    _ROUND_MS.clear()
+
+
 def encode_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True)

@@ -4,6 +4,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -14,8 +16,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="eagle3-jax-tests-xla-")
+    # a size bound switches on the cache's file lock (jax._src.lru_cache): without it one process
+    # can read an entry another is still writing
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+    # each module's programs are freed at its end (below): keep those that a later module on the
+    # same worker compiles again
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+# The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds:
+# LLVM's cheap pipeline (no floating-point reassociation either way, so the same numbers)
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True)
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Frees a module's compiled programs when it ends.  XLA:CPU maps a few pages per kernel and
+    unmaps them only with their executable, so a worker that kept every module's programs
+    passed the kernel's limit on memory maps (vm.max_map_count, 65 530) and crashed inside a
+    compilation; a module's own programs stay shared by its tests, and the persistent cache
+    above makes a program compiled again cheap."""
+    yield
+    import gc
+
+    import jax
+
+    import eagle3_jax.decode
+
+    jax.clear_caches()
+    eagle3_jax.decode.clear_compiled()
+    gc.collect()
