@@ -127,9 +127,11 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     by batch); returns a JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
-    ``categories[i]``: prompt ``i``'s category (e.g. a task family): each category's prompts
-    run in batches of their own and every figure (tokens/s, speedup, τ, accuracy, identity)
-    is also reported per category under ``by_category``;
+    ``categories[i]``: prompt ``i``'s category (e.g. a task family): every figure (τ,
+    accuracy, identity; tokens/s and speedup when each category's prompts run in batches of
+    their own, that is when every category fills a batch) is also reported per category under
+    ``by_category``; a batch larger than a category takes the prompts in order (so that
+    ``batch_size`` is the batch that runs);
     ``generate_kw``: further ``generate`` arguments for both modes (e.g. the thinking budget);
     ``parts`` caches :func:`round_parts` per tree (and length and batch) across calls (e.g. one per temperature).
     """
@@ -137,9 +139,12 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     groups = category_groups(len(prompts), categories)
     cats = [] if categories is None else list(groups)
+    # each category in batches of its own when it fills one; else the prompts in order
+    timed = min(map(len, groups.values())) >= batch_size
+    batched = groups if timed else {None: list(range(len(prompts)))}
 
     modes = [(None, None), *((drafter, tree) for tree in trees)]  # vanilla first
-    chunks = [(cat, idx[j:j + batch_size]) for cat, idx in groups.items() for j in range(0, len(idx), batch_size)]
+    chunks = [(cat, idx[j:j + batch_size]) for cat, idx in batched.items() for j in range(0, len(idx), batch_size)]
     # per mode: per prompt tokens, per category seconds and chunk statistics (of the first pass)
     results = [([None] * len(prompts), {}, {}) for _ in modes]
     fastest: dict = {}
@@ -170,16 +175,16 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     base_tokens, base_s, _ = results[0]
     base_correct = graded(base_tokens)
 
-    def vanilla_row(idx, seconds):
+    def vanilla_row(idx, seconds):  # seconds None: the prompts shared batches with others (not timed alone)
         n = sum(len(base_tokens[i]) for i in idx)
-        return {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": n / seconds,
-                "accuracy": mean(base_correct, idx)}
+        return {"prompts": len(idx), "tokens": n, "seconds": seconds,
+                "tokens_per_second": None if seconds is None else n / seconds, "accuracy": mean(base_correct, idx)}
 
     thinking = {k: v for k, v in (generate_kw or {}).items() if k.startswith("thinking")}
     everyone = range(len(prompts))
     vanilla = vanilla_row(everyone, sum(base_s.values()))
     if cats:
-        vanilla["by_category"] = {c: vanilla_row(groups[c], base_s[c]) for c in cats}
+        vanilla["by_category"] = {c: vanilla_row(groups[c], base_s.get(c) if timed else None) for c in cats}
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
                            "repeats": repeats, **sampling, **({"categories": {c: len(groups[c]) for c in cats}} if cats else {})},
               "vanilla": vanilla, "eagle3": []}
@@ -190,21 +195,30 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         adaptive = isinstance(tree, Speculation)
 
         def row(idx, seconds, stats_, base):
+            """``seconds`` and ``stats_`` (the batches' statistics) None: prompts that shared
+            their batches with others (τ, accuracy and identity are their own, tokens/s and the
+            acceptance per position are not)."""
             n = sum(len(tokens[i]) for i in idx)
-            acc = [a for st in stats_ for r in st["accept_lengths"] for a in r]
+            acc = [a for i in idx for a in accepts[i]]
             tau = float(np.mean(acc) + 1) if acc else 0.0
-            took, offered = (np.sum([st[k] for st in stats_], axis=0)
-                             for k in ("accepted_per_position", "offered_per_position"))
-            rate = [float(a / max(o, 1)) for a, o in zip(took, offered)]
-            out = {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": n / seconds,
-                   "speedup": (n / seconds) / base["tokens_per_second"], "tau": tau, "rounds": len(acc),
+            rate = None
+            if stats_ is not None:
+                took, offered = (np.sum([st[k] for st in stats_], axis=0)
+                                 for k in ("accepted_per_position", "offered_per_position"))
+                rate = [float(a / max(o, 1)) for a, o in zip(took, offered)]
+            tps = None if seconds is None else n / seconds
+            out = {"prompts": len(idx), "tokens": n, "seconds": seconds, "tokens_per_second": tps,
+                   "speedup": None if tps is None else tps / base["tokens_per_second"], "tau": tau, "rounds": len(acc),
                    "acceptance_rate": rate, "accuracy": mean(correct, idx),
                    "identical_to_vanilla": all(tokens[i] == base_tokens[i] for i in idx) if temperature == 0 else None}
             if grade is not None and temperature > 0:
                 out["accuracy_z"] = two_proportion_z(out["accuracy"], base["accuracy"], len(idx))
             return out
 
-        entry = row(everyone, sum(secs.values()), [s for c in groups for s in stats[c]], vanilla)
+        every_batch = [s for key in batched for s in stats[key]]  # in the order of the chunks
+        accepts = [a for st in every_batch for a in st["accept_lengths"]]  # per prompt, in batch order
+        accepts = dict(zip((i for _, ids in chunks for i in ids), accepts))
+        entry = row(everyone, sum(secs.values()), every_batch, vanilla)
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
@@ -213,11 +227,12 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
                  {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
                  **entry, "wall_ms_per_round": 1e3 * entry["seconds"] / max(entry["rounds"], 1), **parts.get(key, {})}
         if cats:
-            entry["by_category"] = {c: row(groups[c], secs[c], stats[c], vanilla["by_category"][c]) for c in cats}
+            entry["by_category"] = {c: row(groups[c], secs[c] if timed else None, stats[c] if timed else None,
+                                           vanilla["by_category"][c]) for c in cats}
         report["eagle3"].append(entry)
         if adaptive:
             counts: dict = {}
-            for st in (s for c in groups for s in stats[c]):
+            for st in every_batch:
                 for name, c in st["tier_rounds"].items():
                     counts[name] = counts.get(name, 0) + c
             entry["tier_rounds"] = counts
@@ -233,8 +248,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             + (f", accuracy {entry['accuracy']:.3f}" if grade else "")
             + (f", identical to vanilla: {entry['identical_to_vanilla']}" if temperature == 0 else ""))
         for c, r in entry.get("by_category", {}).items():
-            log(f"    {c} ({r['prompts']} prompts): {r['tokens_per_second']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
-                f"tau {r['tau']:.2f}" + (f", accuracy {r['accuracy']:.3f} (vanilla "
+            log(f"    {c} ({r['prompts']} prompts): "
+                + (f"{r['tokens_per_second']:.1f} tok/s, speedup {r['speedup']:.2f}x, " if timed else "")
+                + f"tau {r['tau']:.2f}" + (f", accuracy {r['accuracy']:.3f} (vanilla "
                                           f"{vanilla['by_category'][c]['accuracy']:.3f})" if grade else ""))
     report["peak_memory"] = peak_memory()
     return report

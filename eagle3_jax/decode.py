@@ -249,7 +249,7 @@ def _vanilla_round(target, st: _State, loop: _Loop) -> _State:
     return _target_step(target, st, loop)[0]
 
 
-def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
+def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active: int = 0) -> _State:
     """Rounds of the ``None`` tier (no drafting) while the policy keeps it: up to ``loop.burst``
     plain target steps, then one drafter catch-up over the tokens they committed, so that
     falling back costs about a vanilla step per token.  Each step is a round (of tier ``None``)
@@ -273,7 +273,7 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier) -> _State:
     carry = (jnp.int32(0), st, jnp.zeros((B, n, F), target.dtype), jnp.zeros((B, n), jnp.int32),
              jnp.zeros((B,), jnp.int32))
     _, st2, feats_BxNxF, tokens_BxN, count_B = jax.lax.while_loop(
-        lambda c: (c[0] < n) & _going(c[1], cap) & (_tier(c[1], force_tier) == none), step, carry)
+        lambda c: (c[0] < n) & _going(c[1], cap, min_active) & (_tier(c[1], force_tier) == none), step, carry)
     with jax.named_scope("catch_up"):  # drafter position j pairs the feature at j with the token after it
         dpos = st.dcache.lengths[:, None] + jnp.arange(n)[None]
         dout, dcache = drafter(feats_BxNxF, tokens_BxN, dpos, cache=st.dcache)
@@ -361,11 +361,13 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
         return dataclasses.replace(st2, rounds=st.rounds + active, step=st.step + 1)
 
 
-def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State:
-    """Rounds until every row is done or ``cap`` rounds ran: the loop of ``generate`` and of
+def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_active: int = 0) -> _State:
+    """Rounds until at most ``min_active`` rows are still decoding (every row done, by
+    default) or ``cap`` rounds ran: the loop of ``generate`` (of each of its phases) and of
     the slot engine's dispatches."""
     tiers = () if loop.spec is None else loop.spec.tiers
-    burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier)
+    burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier, min_active=min_active)
+    going = functools.partial(_going, cap=cap, min_active=min_active)
 
     def tier_rounds(i: int):
         return functools.partial(_spec_round, target, drafter, loop=loop, tier=i)
@@ -381,7 +383,7 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State
         # and out of the branches of a switch.
         def body(s):
             for i, t in enumerate(tiers):
-                s = jax.lax.while_loop(lambda s, i=i: _going(s, cap) & (_tier(s, force_tier) == i),
+                s = jax.lax.while_loop(lambda s, i=i: going(s) & (_tier(s, force_tier) == i),
                                        burst if t is None else tier_rounds(i), s)
             return s
 
@@ -389,11 +391,49 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap) -> _State
     # at a stop token, so that every measured call runs its rounds whatever the text says.
     stops = st.stops
     st = dataclasses.replace(st, step=jnp.int32(0), stops=jnp.where(force_tier >= 0, -1, stops))
-    return dataclasses.replace(jax.lax.while_loop(lambda s: _going(s, cap), body, st), stops=stops)
+    return dataclasses.replace(jax.lax.while_loop(going, body, st), stops=stops)
 
 
-def _going(st: _State, cap):
-    return (~st.done).any() & (st.step < cap)
+# A batch of this many rows or more, with room for this many new tokens, decodes in phases
+# (see ``_phase_rows``).
+COMPACT_FROM = 8
+COMPACT_MIN_NEW_TOKENS = 64
+
+
+def _phase_rows(batch: int, max_new_tokens: int, mesh=None) -> tuple[int, ...]:
+    """The rows each phase of ``generate``'s loop runs on: the whole batch, then, once at most
+    half of its rows are still decoding, those gathered into half as many rows, then into a
+    quarter.  A static batch pays for its finished rows until its longest answer ends (on the
+    built-in pair's eval prompts at batch 32, 256 new tokens: 45% of the row-steps make a
+    token; phases cut the row-steps by 43%).  From ``COMPACT_FROM`` rows and
+    ``COMPACT_MIN_NEW_TOKENS`` new tokens on (each phase compiles a loop of its own, and moves
+    the rows it keeps), and not on a mesh (a phase's rows there must split over the data axes)."""
+    if batch < COMPACT_FROM or max_new_tokens < COMPACT_MIN_NEW_TOKENS or mesh is not None:
+        return (batch,)
+    return (batch, batch // 2, batch // 4)
+
+
+def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, phases: tuple[int, ...]) -> _State:
+    """``_rounds`` over the phases of ``_phase_rows``: each phase runs until the rows still
+    decoding fit the next one, which takes them (in their order) and leaves the finished rows'
+    outputs where they are.  Rows are independent (their keys, caches and limits are their
+    own; the policy's state is shared and counts active rows only), so every row's tokens are
+    those of one loop over the whole batch.  Returns the whole batch's state without its caches."""
+    whole = idx = None
+    left = cap
+    for i, rows in enumerate(phases):
+        if i:  # the active rows first (all of them fit), then finished ones to fill the phase
+            pick = jnp.argsort(st.done, stable=True)[:rows]
+            st, idx = _take_rows(st, pick), pick if idx is None else idx[pick]
+        st = _rounds(target, drafter, st, loop, force_tier, left, min_active=phases[i + 1] if i + 1 < len(phases) else 0)
+        left = left - st.step
+        rows_st = dataclasses.replace(st, tcache=None, dcache=None)
+        whole = rows_st if whole is None else _set_rows(whole, rows_st, idx)
+    return whole
+
+
+def _going(st: _State, cap, min_active: int = 0):
+    return ((~st.done).sum() > min_active) & (st.step < cap)
 
 
 def _tier(st: _State, force_tier):
@@ -407,7 +447,8 @@ def _stop_rows(stop_ids: tuple[int, ...], batch: int):
 
 def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
          round_cap, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig,
-         spec: Speculation | None, thinking: budget.ThinkingConfig | None, cache_shardings: tuple = (None, None)):
+         spec: Speculation | None, thinking: budget.ThinkingConfig | None, cache_shardings: tuple = (None, None),
+         phases: tuple[int, ...] = ()):
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     B = prompt_BxT.shape[0]
@@ -418,7 +459,7 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                       jnp.full((B,), max_new, jnp.int32), None, cache_len=max_len, loop=loop)
     if drafter is not None:
         st = dataclasses.replace(st, ctl=policy.init(spec, round_ms_T, learned))
-    st = _rounds(target, drafter, st, loop, force_tier, jnp.minimum(max_new, round_cap))
+    st = _phased_rounds(target, drafter, st, loop, force_tier, jnp.minimum(max_new, round_cap), phases or (B,))
     out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
     if st.round_tier is not None:
         out["round_tier"] = st.round_tier
@@ -430,7 +471,8 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
 
 
 _run_jit = jax.jit(_run, static_argnums=(0, 2),
-                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking", "cache_shardings"))
+                   static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking", "cache_shardings",
+                                    "phases"))
 
 
 # Compiled loops, least recently used first.  Each holds its executable (and its
@@ -692,7 +734,8 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
     phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
               sampling=sampling, spec=speculation if drafter is not None else None,
-              thinking=thinking, cache_shardings=_cache_shardings(target, drafter, len(seqs), max_len, mesh, rules))
+              thinking=thinking, cache_shardings=_cache_shardings(target, drafter, len(seqs), max_len, mesh, rules),
+              phases=_phase_rows(len(seqs), max_new_tokens, mesh))
     return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms, rows, mesh,
                     None if rules is None else tuple(rules.items()))
 
@@ -982,6 +1025,20 @@ def _put_rows(st: _State, rows: _State, at) -> _State:
         return jax.lax.dynamic_update_slice(big, small if small.dtype == big.dtype else small.astype(big.dtype), start)
 
     rows = dataclasses.replace(rows, step=st.step, ctl=st.ctl)  # a prefilled row has no policy of its own
+    return jax.tree.map(put, st, rows, _row_axes(st))
+
+
+def _take_rows(st: _State, idx) -> _State:
+    """Rows ``idx`` of ``st``, in that order (the loop counter and the policy's state whole)."""
+    return jax.tree.map(lambda x, axis: x if axis < 0 else jnp.take(x, idx, axis=axis), st, _row_axes(st))
+
+
+def _set_rows(st: _State, rows: _State, idx) -> _State:
+    """``st`` with rows ``idx`` replaced by those of ``rows`` (both without caches); the loop
+    counter and the policy's state are ``rows``'."""
+    def put(big, small, axis):
+        return small if axis < 0 else big.at[(slice(None),) * axis + (idx,)].set(small)
+
     return jax.tree.map(put, st, rows, _row_axes(st))
 
 

@@ -133,6 +133,25 @@ def test_bench_reports_each_category_and_the_pooled_whole(tiny_pair, batches):
         assert len(r["acceptance_rate"]) == len(e["acceptance_rate"])
 
 
+def test_bench_batch_larger_than_a_category_takes_the_prompts_in_order(tiny_pair, batches):
+    """``batch_size`` is the batch that runs: one larger than a category (b has 2 prompts) takes
+    the prompts in order; each category keeps its own τ, accuracy and identity, and has no
+    tokens/s of its own (its prompts were not timed apart from the others')."""
+    report = bench.run_bench(*tiny_pair, _prompts(), trees=[TreeConfig.chain(2)], max_new_tokens=8, batch_size=3,
+                             repeats=1, grade=_grade, categories=CATS, log=lambda line: None)
+    assert batches == [[10, 20, 10], [10, 20, 10]] * 2  # vanilla and chain2, batch by batch
+    van, (e,) = report["vanilla"], report["eagle3"]
+    assert van["tokens_per_second"] > 0 and e["speedup"] == pytest.approx(e["tokens_per_second"] / van["tokens_per_second"])
+    for row in (van, e):
+        cats = row["by_category"]
+        assert all(r["tokens_per_second"] is None for r in cats.values())
+        assert row["accuracy"] == pytest.approx(_pooled(cats, "accuracy"))
+        assert row["tokens"] == sum(r["tokens"] for r in cats.values())
+    cats = e["by_category"]
+    assert e["rounds"] == sum(r["rounds"] for r in cats.values()) and e["tau"] > 1
+    assert (e["tau"] - 1) * e["rounds"] == pytest.approx(sum((r["tau"] - 1) * r["rounds"] for r in cats.values()))
+    assert all(r["speedup"] is None and r["acceptance_rate"] is None and r["identical_to_vanilla"] for r in cats.values())
+
 def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypatch):
     """Each pass runs every mode on a batch before the next batch, in an order that rotates
     per pass, and a mode's seconds are the sum over batches of its fastest pass."""
@@ -143,7 +162,7 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
         calls.append((mode, prompts[0][0]))
         seconds = {0: 5.0, 1: 2.0, 2: 3.0}[(len(calls) - 1) // 4]  # pass 0 slow, pass 1 fastest, pass 2 between
         return SimpleNamespace(tokens=[[7, 8]] * len(prompts),
-                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]],
+                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]] * len(prompts),
                                       "accepted_per_position": [2, 1], "offered_per_position": [2, 2]})
 
     monkeypatch.setattr(bench, "generate", fake_generate)

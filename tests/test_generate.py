@@ -98,6 +98,34 @@ def test_early_stops_are_identical(target):
     assert got.stats["new_tokens"] == sum(map(len, want))
 
 
+
+def test_phases_leave_every_row_as_one_loop_over_the_batch(target, drafters, monkeypatch):
+    """A batch of 8 whose answers end at different times decodes in phases of 8, 4 and 2 rows
+    (the rows still decoding gathered into fewer): every row's tokens and round records are
+    those of one loop over the whole batch (vanilla greedy; speculative sampled, each row's key
+    travelling with it)."""
+    prompts = _prompts(8, seed=4)
+    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
+    long_rows = set(vanilla[6]) | set(vanilla[7])  # rows 0-5 stop early (each at a token of its own), 6 and 7 do not
+    stops = sorted({next(t for t in vanilla[r][3 + 6 * r:] if t not in long_rows) for r in range(6)})
+    assert gen_mod._phase_rows(8, 64) == (8, 4, 2)
+    runs = [(None, 0.0), (drafters["drafter_tiny_trained"], 0.8)]
+
+    def results():
+        gen_mod.clear_compiled()
+        return [eagle3_jax.generate(target, d, prompts, max_new_tokens=64, stop_token_ids=stops, temperature=t, seed=3,
+                                    tree=TreeConfig(8, 3, 2)) for d, t in runs]
+
+    phased = results()
+    lengths = sorted(map(len, phased[0].tokens))
+    assert lengths[-2:] == [64, 64] and lengths[5] < 40  # two rows decode alone for 24+ steps
+    monkeypatch.setattr(gen_mod, "COMPACT_FROM", 10 ** 6)
+    assert gen_mod._phase_rows(8, 64) == (8,)
+    for got, want in zip(phased, results()):
+        assert got.tokens == want.tokens
+        assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
+    assert phased[0].tokens == [v[:len(t)] for v, t in zip(vanilla, phased[0].tokens)]
+
 # ------------------------------------------------------------------ sampling is lossless
 def _chi2_pvalue(a, b, bins):
     from scipy.stats import chi2_contingency
