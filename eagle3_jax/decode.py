@@ -403,11 +403,12 @@ COMPACT_MIN_NEW_TOKENS = 64
 def _phase_rows(batch: int, max_new_tokens: int, mesh=None) -> tuple[int, ...]:
     """The rows each phase of ``generate``'s loop runs on: the whole batch, then, once at most
     half of its rows are still decoding, those gathered into half as many rows, then into a
-    quarter.  A static batch pays for its finished rows until its longest answer ends (on the
-    built-in pair's eval prompts at batch 32, 256 new tokens: 45% of the row-steps make a
-    token; phases cut the row-steps by 43%).  From ``COMPACT_FROM`` rows and
-    ``COMPACT_MIN_NEW_TOKENS`` new tokens on (each phase compiles a loop of its own, and moves
-    the rows it keeps), and not on a mesh (a phase's rows there must split over the data axes)."""
+    quarter.  A static batch pays for its finished rows until its longest answer ends (the
+    built-in pair's first 64 eval prompts at batch 32, 256 new tokens: 45% of its row-steps
+    make a token; in phases, 1.6x the tokens/s, ``scripts/phases_bench.py``).  From
+    ``COMPACT_FROM`` rows and ``COMPACT_MIN_NEW_TOKENS`` new tokens on (each phase compiles a
+    loop of its own, and moves the rows it keeps), and not on a mesh (a phase's rows there
+    must split over the data axes)."""
     if batch < COMPACT_FROM or max_new_tokens < COMPACT_MIN_NEW_TOKENS or mesh is not None:
         return (batch,)
     return (batch, batch // 2, batch // 4)
