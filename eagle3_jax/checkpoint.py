@@ -262,19 +262,28 @@ class _Unpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = _load_build
 
 
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    """A zip entry's name as the bytes the archive holds, which is what torch's reader matches
+    (``zipfile`` decodes a name without the UTF-8 flag as cp437, and cuts ``filename`` at a NUL)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
 class _TorchZip:
-    """One pass over a torch zip checkpoint: its pickle, then the storages its tensors use."""
+    """One pass over a torch zip checkpoint: its pickle, then the storages its tensors use.
+    Entries are found by their names' bytes (a storage key is the UTF-8 of the pickle's string)."""
 
     def __init__(self, file: Path, zf: zipfile.ZipFile):
-        self.file, self.zf, self.storages, self.names = file, zf, {}, set(zf.namelist())
-        pkl = next((n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+        self.file, self.zf, self.storages = file, zf, {}
+        self.entries = {_raw_name(info): info for info in zf.infolist()}  # the last of a repeated name, as zipfile
+        pkl = next((info for raw, info in self.entries.items() if raw == b"data.pkl" or raw.endswith(b"/data.pkl")),
+                   None)
         if pkl is None:
             raise _PickleError(f"{file}: not a torch zip checkpoint (no data.pkl)")
-        self.root = pkl[: -len("data.pkl")]
+        self.root = _raw_name(pkl)[: -len(b"data.pkl")]
         self.budget = MAX_INFLATION * file.stat().st_size + INFLATION_SLACK
         native = sys.byteorder.encode()
-        order = self.read(self.root + "byteorder", "byte order", limit=16) if self.root + "byteorder" in self.names \
-            else native
+        order_entry = self.entries.get(self.root + b"byteorder")
+        order = native if order_entry is None else self.read(order_entry, "byte order", limit=16)
         if order != native:
             raise _PickleError(f"{file}: byte order {order!r}: only {sys.byteorder}-endian checkpoints are supported")
         data = self.read(pkl, "the pickle", limit=MAX_PICKLE_BYTES)
@@ -288,10 +297,9 @@ class _TorchZip:
                       else f"{type(e).__name__}: {str(e)[:200]}")
             raise _PickleError(f"{file}: malformed data.pkl ({detail})") from None
 
-    def read(self, name: str, what: str, *, size: int | None = None, limit: int | None = None) -> bytes:
-        """Entry ``name``, its declared size checked before it is inflated and its reading bounded."""
-        info = self.zf.getinfo(name)
-        where = f"{self.file}: {what} (zip entry {name!r})"
+    def read(self, info: zipfile.ZipInfo, what: str, *, size: int | None = None, limit: int | None = None) -> bytes:
+        """Entry ``info``, its declared size checked before it is inflated and its reading bounded."""
+        where = f"{self.file}: {what} (zip entry {info.orig_filename!r})"
         if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             raise _PickleError(f"{where} is encrypted or uses compression method {info.compress_type}")
         if size is not None and info.file_size != size:
@@ -318,11 +326,12 @@ class _TorchZip:
                 raise _PickleError(f"{self.file}: tensor {tensor!r}: storage {st.key!r} is declared twice "
                                    f"with different types or sizes")
             return data
-        name = f"{self.root}data/{st.key}"
-        if name not in self.names:
-            raise _PickleError(f"{self.file}: tensor {tensor!r}: storage {st.key!r} (zip entry {name!r}) is missing")
+        name = self.root + b"data/" + st.key.encode("utf-8", "surrogatepass")
+        if name not in self.entries:
+            raise _PickleError(f"{self.file}: tensor {tensor!r}: storage {st.key!r} (zip entry "
+                               f"{name.decode('utf-8', 'replace')!r}) is missing")
         itemsize = np.dtype(st.dtype).itemsize
-        blob = self.read(name, f"tensor {tensor!r}: storage {st.key!r}", size=st.numel * itemsize)
+        blob = self.read(self.entries[name], f"tensor {tensor!r}: storage {st.key!r}", size=st.numel * itemsize)
         data = np.frombuffer(blob, np.uint8) != 0 if st.dtype is np.bool_ else np.frombuffer(blob, st.dtype)
         self.storages[st.key] = (st.dtype, st.numel, data)
         return data
