@@ -3,8 +3,7 @@
     python scripts/phases_bench.py [--num-prompts 64] [--batch-size 32] [--max-new-tokens 256] [--repeats 3]
 
 ``generate`` gathers a batch's rows still decoding into half as many rows once at most half of
-them are left, then into a quarter (``eagle3_jax.decode._phase_rows``, from
-``decode.COMPACT_FROM`` rows on).  This runs the built-in eval prompts (the families
+them are left, then into a quarter (from ``eagle3_jax.decode.COMPACT_FROM`` rows on).  This runs the built-in eval prompts (the families
 interleaved, as ``eagle3-jax bench`` batches them) in batches of ``--batch-size``, vanilla and
 each ``--tree``, with the phases and without them (``COMPACT_FROM`` raised past the batch);
 prints tokens/s, the ratio of the two, the share of a static batch's row-steps that make a
