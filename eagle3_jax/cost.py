@@ -75,9 +75,11 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str, tuple[int, ...]]]:
     """Every op of an optimized HLO module (outside fused computations) with a result of
     ``min_bytes`` or more: ``(name, op, bytes, computation, dims)``.  A fusion is named by
-    the op at its root; ``computation`` is ``ENTRY`` for ops that run once per call, else the
-    loop body or called computation that holds them (run per iteration)."""
-    roots, comp_of, found = {}, {}, []
+    the op at its root (and the computation it calls is not listed again, whatever XLA named
+    it: ``fused_...``, ``wrapped_copy_computation``, ...); ``computation`` is ``ENTRY`` for ops
+    that run once per call, else the loop body or called computation that holds them (run per
+    iteration)."""
+    roots, comp_of, fused, found = {}, {}, set(), []
     comp = None
     lines = hlo_text.splitlines()
     for line in lines:
@@ -90,9 +92,12 @@ def large_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, int, str, t
         m = _INSTR.match(line)
         if m and comp:
             comp_of[m.group(1)] = comp
+            called = re.search(r"calls=%([\w.-]+)", line) if m.group(4) == "fusion" else None
+            if called:
+                fused.add(called.group(1))
     for line in lines:
         m = _INSTR.match(line)
-        if not m or "fused" in comp_of.get(m.group(1), "fused"):
+        if not m or "fused" in comp_of.get(m.group(1), "fused") or comp_of[m.group(1)] in fused:
             continue
         name, dtype, dims, op = m.groups()
         size = _bytes(dtype, dims)

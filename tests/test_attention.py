@@ -87,26 +87,30 @@ def test_cost_follows_the_live_prefix_not_the_capacity():
     assert cost.large_ops(hlo, layer_bytes) == []
 
 
-@pytest.mark.parametrize("tree,dtype", [(None, None), (TreeConfig.chain(3), None), (TreeConfig(8, 2, 2), None),
-                                        (Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2))), None),
-                                        (TreeConfig.chain(3), "bfloat16")],
-                         ids=["vanilla", "chain3", "tree", "adaptive", "chain3-bfloat16"])
-def test_decode_loop_copies_no_cache(tree, dtype, monkeypatch):
+@pytest.mark.parametrize("tree,dtype,batch,max_new", [
+    (None, None, 1, 40), (TreeConfig.chain(3), None, 1, 40), (TreeConfig(8, 2, 2), None, 1, 40),
+    (Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2))), None, 1, 40), (TreeConfig.chain(3), "bfloat16", 1, 40),
+    (TreeConfig.chain(3), None, 8, 64)],
+    ids=["vanilla", "chain3", "tree", "adaptive", "chain3-bfloat16", "chain3-phases"])
+def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     """In the optimized HLO of the whole decode loop, no cache-sized buffer is copied or
     converted inside the loop (KV writes, commit and the drafter's catch-up update the caches
     in place), also when an adaptive policy switches between tiers and bursts of plain steps,
-    and with bfloat16 weights (which XLA:CPU would update by converting the whole cache)."""
+    with bfloat16 weights (which XLA:CPU would update by converting the whole cache), and in
+    each phase of a batch decoded in phases (whose rows are gathered between the loops)."""
     monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
     monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
     target = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype=dtype)
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
     spec = tree if isinstance(tree, Speculation) else Speculation.fixed(tree or TreeConfig())
-    compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]], max_new_tokens=40, speculation=spec,
-                                             round_ms=[1.0] * len(spec.tiers))
+    assert len(decode._phase_rows(batch, max_new)) == (3 if batch == 8 else 1)
+    compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]] * batch, max_new_tokens=max_new,
+                                             speculation=spec, round_ms=[1.0] * len(spec.tiers))
     assert int(compiled(*args)["n_out"][0]) > 0
     cfg = target.config
-    max_len = 32 + 40 + (spec.scratch if tree else 1)
-    layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4  # a float32 layer (what a bfloat16 one converts to)
+    max_len = 32 + max_new + (spec.scratch if tree else 1)
+    # one row's float32 layer (what a bfloat16 one converts to): the smallest phase's cache is larger
+    layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4
     ops = cost.cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
     assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []
     assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
@@ -143,6 +147,26 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 }
 """
 
+
+_HLO_WRAPPED = """\
+HloModule m
+
+%wrapped_copy_computation (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %copy.9 = f32[64]{0} copy(%p)
+}
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  ROOT %wrapped_copy = f32[64]{0} fusion(%a), kind=kLoop, calls=%wrapped_copy_computation
+}
+"""
+
+
+def test_large_ops_names_a_fusion_once_where_it_runs():
+    """A computation that a fusion calls is not listed as if it ran apart from its caller (a
+    copy fused by XLA into ``wrapped_copy_computation`` runs once, in ENTRY, not per iteration)."""
+    assert cost.large_ops(_HLO_WRAPPED, 256) == [("wrapped_copy", "copy", 256, "ENTRY", (64,))]
 
 def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
     """An op without a part in its ``op_name`` (XLA's copies, fusions it made) belongs to the
