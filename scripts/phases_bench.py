@@ -3,8 +3,9 @@
     python scripts/phases_bench.py [--num-prompts 64] [--batch-size 32] [--max-new-tokens 256] [--repeats 3]
 
 ``generate`` gathers a batch's rows still decoding into half as many rows once at most half of
-them are left, then into a quarter (from ``eagle3_jax.decode.COMPACT_FROM`` rows on).  This runs the built-in eval prompts (the families
-interleaved, as ``eagle3-jax bench`` batches them) in batches of ``--batch-size``, vanilla and
+them are left, then into a quarter (from ``eagle3_jax.decode.COMPACT_FROM`` rows on).  This
+runs the built-in eval prompts (the families interleaved, as ``eagle3-jax bench`` batches them)
+in batches of ``--batch-size``, vanilla and
 each ``--tree``, with the phases and without them (``COMPACT_FROM`` raised past the batch);
 prints tokens/s, the ratio of the two, the share of a static batch's row-steps that make a
 token, and checks that both give every row the same tokens.
@@ -44,7 +45,8 @@ def main(argv=None):
             decode.COMPACT_FROM = phased_from if phased else math.inf
             seconds, out = 0.0, []
             for chunk in chunks:
-                res = generate(target, d, chunk, max_new_tokens=args.max_new_tokens, **({} if tree is None else {"tree": tree}))
+                res = generate(target, d, chunk, max_new_tokens=args.max_new_tokens,
+                               **({} if tree is None else {"tree": tree}))
                 seconds += res.stats["seconds"]
                 out += res.tokens
             best[name, phased] = min(best.get((name, phased), math.inf), seconds)

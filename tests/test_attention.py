@@ -168,6 +168,7 @@ def test_large_ops_names_a_fusion_once_where_it_runs():
     copy fused by XLA into ``wrapped_copy_computation`` runs once, in ENTRY, not per iteration)."""
     assert cost.large_ops(_HLO_WRAPPED, 256) == [("wrapped_copy", "copy", 256, "ENTRY", (64,))]
 
+
 def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
     """An op without a part in its ``op_name`` (XLA's copies, fusions it made) belongs to the
     part of the op that runs its computation, through every level of nesting; ops outside

@@ -152,6 +152,7 @@ def test_bench_batch_larger_than_a_category_takes_the_prompts_in_order(tiny_pair
     assert (e["tau"] - 1) * e["rounds"] == pytest.approx(sum((r["tau"] - 1) * r["rounds"] for r in cats.values()))
     assert all(r["speedup"] is None and r["acceptance_rate"] is None and r["identical_to_vanilla"] for r in cats.values())
 
+
 def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypatch):
     """Each pass runs every mode on a batch before the next batch, in an order that rotates
     per pass, and a mode's seconds are the sum over batches of its fastest pass."""

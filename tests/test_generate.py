@@ -98,7 +98,6 @@ def test_early_stops_are_identical(target):
     assert got.stats["new_tokens"] == sum(map(len, want))
 
 
-
 def test_phases_leave_every_row_as_one_loop_over_the_batch(target, drafters, monkeypatch):
     """A batch of 8 whose answers end at different times decodes in phases of 8, 4 and 2 rows
     (the rows still decoding gathered into fewer): every row's tokens and round records are
@@ -125,6 +124,7 @@ def test_phases_leave_every_row_as_one_loop_over_the_batch(target, drafters, mon
         assert got.tokens == want.tokens
         assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
     assert phased[0].tokens == [v[:len(t)] for v, t in zip(vanilla, phased[0].tokens)]
+
 
 # ------------------------------------------------------------------ sampling is lossless
 def _chi2_pvalue(a, b, bins):
