@@ -8,11 +8,12 @@ one new query per sequence over ``--live`` committed slots: ``eagle3_jax.layers.
 (64-slot blocks and the new token, online softmax) jitted in a loop over the layers, as a
 decode step runs it.  One query per sequence makes attention a read of the keys and values
 (a couple of flops per byte), so its floor is the time to read them: the script prints the
-blocks' bytes, the rate XLA:CPU reads them at, and the rate NumPy copies a buffer of that size
-on the same machine (``np.copyto``, the fastest of ``--repeats``), and the ratio of the two.
-A ratio that falls with the batch says that the step's batch scaling is bounded by how the
-compiled kernels move the cache, not by the bytes the work needs.  The attention's output is
-checked against ``layers.attention_ref`` so that the timed call computes what it should.
+blocks' bytes, the rate the compiled attention reads them at, the rate NumPy copies a buffer
+of that size on the same machine (``np.copyto``, the fastest of ``--repeats``), and the ratio
+of the two.  A ratio well under 1 says that the compiled kernels, not the bytes the work needs,
+set the attention's time (at batch 1, the ops' own cost; at batch 32 on XLA:CPU, the copy of
+each block out of the stacked cache before its dots).  The attention's output is checked
+against ``layers.attention_ref`` so that the timed call computes what it should.
 """
 
 from __future__ import annotations
