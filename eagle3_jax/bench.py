@@ -193,6 +193,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     for tree, (tokens, secs, stats) in zip(trees, results[1:]):
         correct = graded(tokens)
         adaptive = isinstance(tree, Speculation)
+        every_batch = [s for key in batched for s in stats[key]]  # in the order of the chunks
+        accepts = [a for st in every_batch for a in st["accept_lengths"]]  # per prompt, in batch order
+        accepts = dict(zip((i for _, ids in chunks for i in ids), accepts))
 
         def row(idx, seconds, stats_, base):
             """``seconds`` and ``stats_`` (the batches' statistics) None: prompts that shared
@@ -215,9 +218,6 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
                 out["accuracy_z"] = two_proportion_z(out["accuracy"], base["accuracy"], len(idx))
             return out
 
-        every_batch = [s for key in batched for s in stats[key]]  # in the order of the chunks
-        accepts = [a for st in every_batch for a in st["accept_lengths"]]  # per prompt, in batch order
-        accepts = dict(zip((i for _, ids in chunks for i in ids), accepts))
         entry = row(everyone, sum(secs.values()), every_batch, vanilla)
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
