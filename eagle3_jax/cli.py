@@ -331,8 +331,8 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
     from eagle3_jax.bench import tree_name
 
     print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots):")
-    by_slots = {s: cost.step_ms(target, 1, s) for s in (256, 1024, 4096, 16384)}
-    by_batch = {b: cost.step_ms(target, b, 256) for b in (1, 8, 32)}
+    by_slots = {s: ms for (_, s), ms in cost.step_ms(target, [(1, s) for s in (256, 1024, 4096, 16384)]).items()}
+    by_batch = {b: ms for (b, _), ms in cost.step_ms(target, [(b, 256) for b in (1, 8, 32)]).items()}
     print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
           + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
     print("  batch  " + "  ".join(f"{b}: {ms:.2f}" for b, ms in by_batch.items())

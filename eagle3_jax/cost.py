@@ -160,23 +160,31 @@ def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
     return {k: v / repeats for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def step_ms(target, batch: int, slots: int, live: int = 33, calls: int = 30) -> float:
-    """Median milliseconds of ``target.decode_step`` at ``batch`` sequences of ``live``
-    committed tokens in a cache of ``slots`` slots (the live length is held fixed)."""
+def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> dict[tuple[int, int], float]:
+    """Median milliseconds of ``target.decode_step`` for each ``(batch, slots)`` of ``shapes``:
+    ``batch`` sequences of ``live`` committed tokens in a cache of ``slots`` slots (the live
+    length is held fixed).  The shapes take ``turns`` turns of ``calls / turns`` timed calls
+    each (after two untimed ones, so that each runs back to back as in a decode loop): a slow
+    spell of a shared machine falls on all of them, and their ratios hold."""
     import time
 
     from eagle3_jax.kv_cache import KVCache
 
-    _, _, cache = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)
-    tokens = np.ones((batch,), np.int32)
-    times = []
-    for i in range(calls + 3):
-        start = time.perf_counter()
-        logits, _, cache = target.decode_step(cache, tokens)
-        jax.block_until_ready(logits)
-        times.append(time.perf_counter() - start)
-        cache = KVCache(cache.k, cache.v, cache.lengths - 1)
-    return 1e3 * float(np.median(times[3:]))
+    caches = {}
+    for batch, slots in shapes:
+        caches[batch, slots] = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
+    times = {shape: [] for shape in caches}
+    for _ in range(turns):
+        for shape in caches:
+            tokens = np.ones((shape[0],), np.int32)
+            for i in range(2 + -(-calls // turns)):
+                start = time.perf_counter()
+                logits, _, cache = target.decode_step(caches[shape], tokens)
+                jax.block_until_ready(logits)
+                if i >= 2:
+                    times[shape].append(time.perf_counter() - start)
+                caches[shape] = KVCache(cache.k, cache.v, cache.lengths - 1)
+    return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
 def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1, log=print) -> dict:
