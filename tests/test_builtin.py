@@ -304,7 +304,9 @@ def test_recipe_cli_refuses_bad_bases(tmp_path, capsys):
     from eagle3_jax.train import builtin as recipe_mod
 
     for argv, msg in ((["--from-scratch", "--init-target", str(tmp_path)], "exclude each other"),
-                      (["--init-target", str(tmp_path / "nowhere")], "no saved target")):
+                      (["--init-target", str(tmp_path / "nowhere")], "no saved target"),
+                      (["--polish-steps", "-1"], "--polish-steps: expected 0 or more"),
+                      (["--polish-lr", "0"], "--polish-lr: expected a positive")):
         with pytest.raises(SystemExit):
             recipe_mod.main(["--work-dir", str(tmp_path / "work"), *argv])
         assert msg in capsys.readouterr().err
@@ -331,10 +333,18 @@ def test_recipe_runs_end_to_end_scaled_down(tmp_path):
     same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.to_pure_dict(nnx.state(tuned, nnx.Param)),
                         nnx.to_pure_dict(nnx.state(loaded, nnx.Param)))
     assert all(jax.tree.leaves(same))
-    recipe_mod.train_drafter(work, recipe, ["fit.steps=2", "fit.save_every=2", "fit.buckets=[64]",
-                                            "regenerate.max_new_tokens=16", "draft_vocab_size=128"])
+    overrides = ["fit.steps=2", "fit.save_every=2", "fit.buckets=[64]", "regenerate.max_new_tokens=16",
+                 "draft_vocab_size=128"]
+    recipe_mod.train_drafter(work, recipe, overrides)
+    # the continued fit starts from the fitted drafter: at a learning rate of 1e-12 it keeps its weights
+    recipe_mod.polish_drafter(work, dataclasses.replace(recipe, polish_steps=2, polish_lr=1e-12), overrides)
+    assert (work / "drafter_polish_run" / "best.json").exists()
     target = eagle3_jax.load_target(work / "target", dtype="float32")
     drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
+    fitted = eagle3_jax.load_drafter(work / "drafter_fit", target=target)
+    close = jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-6)), nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
+                         nnx.to_pure_dict(nnx.state(fitted, nnx.Param)))
+    assert jax.tree.leaves(close) and all(jax.tree.leaves(close))
     tasks = recipe_mod.write_eval_set(work / "eval.json", recipe)
     metrics = recipe_mod.evaluate(target, drafter, tok, tasks, recipe.budgets, max_new_tokens=16, trees=("chain4",))
     assert set(metrics["by_thinking_budget"]) == {"0", "unlimited"}

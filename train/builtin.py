@@ -18,7 +18,8 @@ the examples cut their thinking short, with no loss on the forced ``</think>``, 
 model answers whatever thinking it was allowed but never learns to stop early; a quarter of the
 examples are copy / recall / comparison drills, :func:`drill`); the drafter, by the
 project's own pipeline (``configs/builtin.yaml``: regenerate → vocab → fit → export) on the
-target's own first turns;
+target's own first turns; the drafter's fit continued from its weights at a lower learning
+rate on the same data (:func:`polish_drafter`);
 then the held-out metrics (per family: accuracy per thinking budget, the tool calls' checks,
 drafter τ per tree, greedy identity) written to ``metrics.json``.
 """
@@ -67,6 +68,8 @@ class Recipe:
     warmup_steps: int = 100
     decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
     drafter_conversations: int = 4000
+    polish_steps: int = 2_000        # the drafter's fit continued from its weights (0: not continued)
+    polish_lr: float = 1e-3          # ... at this learning rate (a second warmup and cosine decay)
     eval_tasks: int = 200
     budgets: tuple[int, ...] = (0, 16, 64)  # thinking tokens allowed (plus unlimited)
 
@@ -269,17 +272,46 @@ def export_target(model, tok, path: Path):
 
 # ------------------------------------------------------------------ drafter
 def train_drafter(work: Path, recipe: Recipe, overrides=()):
-    """The project's own pipeline on the exported target: regenerate → vocab → fit → export."""
+    """The project's own pipeline on the exported target: regenerate → vocab → fit → export
+    (to ``work/drafter_fit``; run in ``work/drafter_run``)."""
     from eagle3_jax.train import pipeline
 
     data = work / "drafter_conversations.jsonl"
     with open(data, "w") as f:
         for conv, _ in training_text(recipe.drafter_conversations, recipe.seed + 2):
             f.write(json.dumps({"conversations": conv[:2]}) + "\n")  # the first turn (tool results are not the target's)
-    cfg = pipeline.load_config(ROOT / "configs" / "builtin.yaml", [
-        f"target={work / 'target'}", f"data={data}", f"work_dir={work / 'drafter_run'}",
-        f"export_dir={work / 'drafter'}", *overrides])
-    pipeline.run("all", cfg)
+    pipeline.run("all", _drafter_config(work, [f"data={data}", f"work_dir={work / 'drafter_run'}",
+                                               f"export_dir={work / 'drafter_fit'}", *overrides]))
+
+
+def polish_drafter(work: Path, recipe: Recipe, overrides=()):
+    """The drafter's fit continued: ``recipe.polish_steps`` more steps from the weights in
+    ``work/drafter_fit`` at ``recipe.polish_lr`` (a second warmup and cosine decay) on the same
+    regenerated conversations and draft vocabulary (``work/drafter_run``'s), run in
+    ``work/drafter_polish_run`` and exported to ``work/drafter``; with no steps, the fitted
+    drafter is the pair's.  ``overrides`` as for :func:`train_drafter` (the steps and
+    learning rate are the recipe's)."""
+    from eagle3_jax.train import pipeline
+
+    if recipe.polish_steps == 0:
+        shutil.copytree(work / "drafter_fit", work / "drafter", dirs_exist_ok=True)
+        return
+    run = work / "drafter_polish_run"
+    run.mkdir(parents=True, exist_ok=True)
+    for name in ("regenerated.npz", "vocab.npz"):
+        if not (run / name).exists():
+            shutil.copy(work / "drafter_run" / name, run / name)
+    cfg = _drafter_config(work, [f"work_dir={run}", f"export_dir={work / 'drafter'}", *overrides,
+                                 f"fit.steps={recipe.polish_steps}", f"fit.lr={recipe.polish_lr}",
+                                 f"drafter.init={work / 'drafter_fit'}"])
+    for step in ("fit", "export"):
+        pipeline.run(step, cfg)
+
+
+def _drafter_config(work: Path, overrides) -> dict:
+    from eagle3_jax.train import pipeline
+
+    return pipeline.load_config(ROOT / "configs" / "builtin.yaml", [f"target={work / 'target'}", *overrides])
 
 
 # ------------------------------------------------------------------ evaluation
@@ -365,13 +397,22 @@ def main(argv=None):
                                                        "the run keeps its tokenizer")
     p.add_argument("--target-steps", type=int, default=None, help="default: the recipe's (or SCRATCH's)")
     p.add_argument("--target-lr", type=float, default=None, help="default: the recipe's (or SCRATCH's)")
-    p.add_argument("--stage", choices=["all", "target", "drafter", "eval"], default="all")
-    p.add_argument("overrides", nargs="*", help="drafter config overrides, e.g. fit.steps=400")
+    p.add_argument("--polish-steps", type=int, default=None,
+                   help=f"steps of the drafter's continued fit (default {Recipe.polish_steps}; 0: none)")
+    p.add_argument("--polish-lr", type=float, default=None, help=f"its learning rate (default {Recipe.polish_lr})")
+    p.add_argument("--stage", choices=["all", "target", "drafter", "polish", "eval"], default="all")
+    p.add_argument("overrides", nargs="*", help="drafter config overrides for both of its fits, e.g. fit.batch_size=8 "
+                                                "(the continued fit's steps and learning rate are --polish-*)")
     args = p.parse_args(argv)
     if args.from_scratch and args.init_target:
         p.error("--from-scratch and --init-target exclude each other")
+    if args.polish_steps is not None and args.polish_steps < 0:
+        p.error(f"--polish-steps: expected 0 or more, got {args.polish_steps}")
+    if args.polish_lr is not None and not args.polish_lr > 0:
+        p.error(f"--polish-lr: expected a positive learning rate, got {args.polish_lr}")
     given = {k: v for k, v in (("init_target", args.init_target), ("target_steps", args.target_steps),
-                               ("target_lr", args.target_lr)) if v is not None}
+                               ("target_lr", args.target_lr), ("polish_steps", args.polish_steps),
+                               ("polish_lr", args.polish_lr)) if v is not None}
     recipe = Recipe(**{**(SCRATCH if args.from_scratch else {}), **given})
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -388,8 +429,10 @@ def main(argv=None):
     tok = build_tokenizer(work, recipe)
     if args.stage in ("all", "target") and not (work / "target" / "config.json").exists():
         _timed(work, "target", lambda: export_target(train_target(work, recipe, tok, init), tok, work / "target"))
-    if args.stage in ("all", "drafter") and not (work / "drafter" / "config.json").exists():
+    if args.stage in ("all", "drafter") and not (work / "drafter_fit" / "config.json").exists():
         _timed(work, "drafter", lambda: train_drafter(work, recipe, args.overrides))
+    if args.stage in ("all", "polish") and not (work / "drafter" / "config.json").exists():
+        _timed(work, "polish", lambda: polish_drafter(work, recipe, args.overrides))
     if args.stage in ("all", "eval"):
         import eagle3_jax
 
@@ -397,8 +440,9 @@ def main(argv=None):
         target = eagle3_jax.load_target(work / "target", dtype="float32")
         drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
         metrics = _timed(work, "eval", lambda: evaluate(target, drafter, tok, tasks, recipe.budgets))
-        best = json.loads((work / "drafter_run" / "best.json").read_text())
-        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=best,
+        fits = [{"run": run, **json.loads((work / run / "best.json").read_text())}
+                for run in ("drafter_run", "drafter_polish_run") if (work / run / "best.json").exists()]
+        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=fits[-1], drafter_fits=fits,
                        stage_seconds=json.loads((work / "stages.json").read_text()))
         (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print(json.dumps(metrics, indent=2))
