@@ -54,36 +54,28 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list
 def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new_tokens: int = 256,
                 batch_size: int = 1, repeats: int = 3) -> dict:
     """Milliseconds per round of the speculative round and its parts, inside the compiled
-    decode loop on ``prompt`` (repeated ``batch_size`` times).
+    decode loop on ``prompt`` (repeated ``batch_size`` times), the tree forced for as many
+    rounds as fit ``max_new_tokens`` and for a quarter of them (stop tokens ignored:
+    ``eagle3_jax.cost.forced_rounds``).
 
-    ``round_ms`` is wall clock: (the whole loop − the same program's prefill alone) / rounds,
-    each the fastest of ``repeats``.  The parts split it by their shares of the loop's op time
-    under the profiler (``eagle3_jax.cost.profile_parts``): ``draft`` (tree expansion),
+    ``round_ms`` is wall clock: the difference of the two calls over the difference in
+    rounds, each the fastest of ``repeats``, so that what a call costs besides its rounds (the
+    cache's allocation, the prefill, the launch) cancels out.  The parts split it by their
+    shares of the same difference in op time under the profiler: ``draft`` (tree expansion),
     ``verify`` (the target's tree forward + the acceptance walk), ``catch_up`` (the drafter on
     the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
     (the loop's own bookkeeping)."""
-    from eagle3_jax.cost import profile_parts
+    from eagle3_jax.cost import forced_rounds
     from eagle3_jax.decode import compile_generate
 
-    def fastest(max_new):
-        compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new, tree=tree)
-        out = jax.block_until_ready(compiled(*args))
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            seconds.append(time.perf_counter() - start)
-        return min(seconds), out, compiled, args
-
-    full_s, res, compiled, args = fastest(max_new_tokens)
-    accept = res["accept"]
-    prefill_s = fastest(1)[0]
-    rounds = max(int((accept[0] >= 0).sum()), 1)
-    us = profile_parts(compiled, *args, repeats=repeats)
+    compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree)
+    hi = max(max_new_tokens // (tree.depth + 1), 2)  # rounds that fit max_new_tokens when every draft is accepted
+    forced = forced_rounds(compiled, args, (max(hi // 4, 1), hi), repeats=repeats)
+    us = dict(forced["parts_us"])
     us["loop"] = us.pop("other", 0.0)
     names = ("draft", "verify", "catch_up", "commit", "emit", "loop")
     total = sum(us.get(n, 0.0) for n in names) or 1.0
-    out = {"round_ms": 1e3 * max(full_s - prefill_s, 0.0) / rounds}
+    out = {"round_ms": forced["round_ms"]}
     out.update({f"{n}_ms": out["round_ms"] * us.get(n, 0.0) / total for n in names})
     return out
 

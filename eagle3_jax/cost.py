@@ -187,6 +187,36 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> 
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
+def forced_rounds(compiled, args, rounds: tuple[int, int], *, tier: int = 0, repeats: int = 3) -> dict:
+    """What one round of a compiled decode loop (``decode.compile_generate``) costs, apart
+    from what a call costs besides its rounds (the cache's allocation, the prefill, the launch,
+    the output's transfer): calls of ``rounds[0]`` and of ``rounds[1]`` rounds with
+    speculation tier ``tier`` forced (``decode.forced_args``: stop tokens ignored, so that a
+    short answer runs as many rounds as a long one; ``max_new_tokens`` may end a call
+    sooner), each the fastest of ``repeats`` (the two taking turns), and their difference
+    over the difference in rounds run.  Returns ``{"rounds", "round_ms", "parts_us"}``:
+    rounds in the difference, wall milliseconds per round, and each part's op time per round
+    under the profiler (:func:`profile_parts`; ``other``: the loop's own ops)."""
+    import time
+
+    from eagle3_jax.decode import forced_args
+
+    calls = [forced_args(args, tier, n) for n in rounds]
+    jax.block_until_ready(compiled(*calls[0]))
+    best, ran = [float("inf")] * 2, [0, 0]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            res = jax.block_until_ready(compiled(*call))
+            best[i] = min(best[i], time.perf_counter() - start)
+            ran[i] = int((np.asarray(res["accept"]) != -1).any(0).sum())
+    n = max(ran[1] - ran[0], 1)
+    lo, hi = (profile_parts(compiled, *call, repeats=repeats) for call in calls)
+    parts = {k: max(hi.get(k, 0.0) - lo.get(k, 0.0), 0.0) / n for k in hi.keys() | lo.keys()}
+    return {"rounds": n, "round_ms": 1e3 * max(best[1] - best[0], 0.0) / n,
+            "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
+
+
 def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1, log=print) -> dict:
     """One request (``prompt`` repeated ``batch`` times) through the compiled decode loop,
     vanilla and speculative: ms per step / round, the round's parts (profiler), and the
@@ -196,20 +226,18 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
     out = {"max_new_tokens": max_new_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
         compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
-        res = jax.block_until_ready(compiled(*args))
-        n_out, accept = res["n_out"], res["accept"]
-        rounds = int((np.asarray(accept)[0] >= 0).sum())
-        parts = profile_parts(compiled, *args, repeats=3)
+        hi = max_new_tokens // ((tree.depth if d is not None else 0) + 1)  # rounds that fit max_new_tokens
+        forced = forced_rounds(compiled, args, (max(hi // 4, 1), hi))
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
         layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
         ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
         loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
-        round_us = {k: v / max(rounds, 1) for k, v in parts.items()}
-        out[mode] = {"rounds": rounds, "tokens": int(np.asarray(n_out)[0]), "cache_slots": max_len,
+        round_us = {k: v for k, v in forced["parts_us"].items() if v >= 5.0}  # the prefill's ops cancel out
+        out[mode] = {"rounds": forced["rounds"], "ms_per_round": forced["round_ms"], "cache_slots": max_len,
                      "us_per_round": round_us, "loop_cache_copies": len(loop_copies),
                      "in_place_updates": len([o for o in ops["in_place"] if o[3] != "ENTRY"])}
         shown = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in round_us.items())
-        log(f"  {mode:7s} max_new={max_new_tokens} batch={batch} cache={max_len} slots: {rounds} rounds, ms/round: "
-            f"{shown}; cache-sized copies in the loop: {len(loop_copies)}")
+        log(f"  {mode:7s} max_new={max_new_tokens} batch={batch} cache={max_len} slots: {forced['round_ms']:.2f} ms/round "
+            f"over {forced['rounds']} forced rounds; op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
     return out

@@ -808,11 +808,16 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
 _NO_SPEC = Speculation((None,), policy="fixed")
 
 
+def forced_args(args: tuple, tier: int, rounds: int) -> tuple:
+    """``compile_generate``'s arguments for a measurement call: speculation tier ``tier``
+    (an index into the request's tiers; a single tree is tier 0, vanilla decoding too) forced
+    for ``rounds`` rounds, which stop tokens do not end (see ``_rounds``); ``tier`` -1: the
+    call as ``generate`` makes it, but for at most ``rounds`` rounds."""
+    return (*args[:8], jnp.int32(tier), jnp.int32(rounds), *args[10:])
+
+
 def _forced(compiled, args, tier: int, cap: int) -> dict:
-    """The compiled loop's call with speculation tier ``tier`` forced for ``cap`` rounds (a
-    measurement: stop tokens do not end it, see ``_rounds``); ``tier`` -1: the call as
-    ``generate`` makes it, but for at most ``cap`` rounds."""
-    return compiled(*args[:8], jnp.int32(tier), jnp.int32(cap), *args[10:])
+    return compiled(*forced_args(args, tier, cap))
 
 
 def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float = 0.2,

@@ -116,6 +116,23 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
 
 
+def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
+    """`cost.forced_rounds` (bench's round time) runs the forced tier for the rounds asked,
+    past a stop token that ends the request early, so that a short answer
+    times as many rounds as a long one; it reports the rounds between its two calls."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
+    prompt = [[1, 2, 3, 4, 5]]
+    out = eagle3_jax.generate(target, drafter, prompt, max_new_tokens=40, tree=TreeConfig.chain(3)).tokens[0]
+    stop = out[1] if out[1] != out[0] else next(t for t in out if t != out[0])  # not the prefill's token
+    compiled, args = decode.compile_generate(target, drafter, prompt, max_new_tokens=40, tree=TreeConfig.chain(3),
+                                             stop_token_ids=[stop])
+    assert int((np.asarray(compiled(*args)["accept"]) != -1).sum()) < 6  # the stop ends it early
+    forced = cost.forced_rounds(compiled, args, (2, 8), repeats=1)
+    assert forced["rounds"] == 6 and forced["round_ms"] > 0
+    assert forced["parts_us"]["verify"] > 0 and forced["parts_us"]["draft"] > 0
+
+
 _HLO_PARTS = """\
 HloModule jit__run
 
