@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import time
 from pathlib import Path
 
 import jax
@@ -69,8 +68,7 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree)
-    hi = max(max_new_tokens // (tree.depth + 1), 2)  # rounds that fit max_new_tokens when every draft is accepted
-    forced = forced_rounds(compiled, args, (max(hi // 4, 1), hi), repeats=repeats)
+    forced = forced_rounds(compiled, args, max_new_tokens, tree.depth, repeats=repeats)
     us = dict(forced["parts_us"])
     us["loop"] = us.pop("other", 0.0)
     names = ("draft", "verify", "catch_up", "commit", "emit", "loop")

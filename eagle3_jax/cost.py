@@ -187,21 +187,23 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> 
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
-def forced_rounds(compiled, args, rounds: tuple[int, int], *, tier: int = 0, repeats: int = 3) -> dict:
-    """What one round of a compiled decode loop (``decode.compile_generate``) costs, apart
-    from what a call costs besides its rounds (the cache's allocation, the prefill, the launch,
-    the output's transfer): calls of ``rounds[0]`` and of ``rounds[1]`` rounds with
-    speculation tier ``tier`` forced (``decode.forced_args``: stop tokens ignored, so that a
-    short answer runs as many rounds as a long one; ``max_new_tokens`` may end a call
-    sooner), each the fastest of ``repeats`` (the two taking turns), and their difference
-    over the difference in rounds run.  Returns ``{"rounds", "round_ms", "parts_us"}``:
-    rounds in the difference, wall milliseconds per round, and each part's op time per round
-    under the profiler (:func:`profile_parts`; ``other``: the loop's own ops)."""
+def forced_rounds(compiled, args, max_new_tokens: int, depth: int, *, tier: int = 0, repeats: int = 3) -> dict:
+    """What one round of a compiled decode loop (``decode.compile_generate`` with
+    ``max_new_tokens``, its tier's tree ``depth`` deep: 0 for plain steps) costs, apart from
+    what a call costs besides its rounds (the cache's allocation, the prefill, the launch, the
+    output's transfer): a call of as many rounds as fit ``max_new_tokens`` when every draft is
+    accepted and one of a quarter as many, speculation tier ``tier`` forced
+    (``decode.forced_args``: stop tokens ignored, so that a short answer runs as many rounds
+    as a long one), each the fastest of ``repeats`` (the two taking turns), and their
+    difference over the difference in rounds run.  Returns ``{"rounds", "round_ms",
+    "parts_us"}``: rounds in the difference, wall milliseconds per round, and each part's op
+    time per round under the profiler (:func:`profile_parts`; ``other``: the loop's own ops)."""
     import time
 
     from eagle3_jax.decode import forced_args
 
-    calls = [forced_args(args, tier, n) for n in rounds]
+    hi = max(max_new_tokens // (depth + 1), 2)
+    calls = [forced_args(args, tier, n) for n in (max(hi // 4, 1), hi)]
     jax.block_until_ready(compiled(*calls[0]))
     best, ran = [float("inf")] * 2, [0, 0]
     for _ in range(repeats):
@@ -226,8 +228,7 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
     out = {"max_new_tokens": max_new_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
         compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
-        hi = max_new_tokens // ((tree.depth if d is not None else 0) + 1)  # rounds that fit max_new_tokens
-        forced = forced_rounds(compiled, args, (max(hi // 4, 1), hi))
+        forced = forced_rounds(compiled, args, max_new_tokens, tree.depth if d is not None else 0)
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
         layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
