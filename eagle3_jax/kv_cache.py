@@ -55,9 +55,14 @@ def storage_dtype(dtype, attention_impl: str = "xla"):
 
 def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of ``[num_layers, batch, max_len, num_kv_heads, head_dim]`` ``dtype``
-    keys and values (a model's :func:`storage_dtype`)."""
+    keys and values (a model's :func:`storage_dtype`).
+
+    The keys start as -0.0 and the values as 0.0: the same to every use (an unwritten slot is
+    never visible), but two different constants, which XLA does not merge into one buffer that
+    a loop updating both in place would then copy twice (a transient 1.5x the cache when a
+    decode program starts, and two passes over it)."""
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    return KVCache(jnp.full(shape, -0.0, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
 def constrain(cache: KVCache, sharding) -> KVCache:

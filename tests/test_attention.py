@@ -97,7 +97,8 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     converted inside the loop (KV writes, commit and the drafter's catch-up update the caches
     in place), also when an adaptive policy switches between tiers and bursts of plain steps,
     with bfloat16 weights (which XLA:CPU would update by converting the whole cache), and in
-    each phase of a batch decoded in phases (whose rows are gathered between the loops)."""
+    each phase of a batch decoded in phases (whose rows are gathered between the loops); and
+    the empty caches are not copied into the loop either."""
     monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
     monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
     target = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype=dtype)
@@ -114,6 +115,9 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     ops = cost.cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
     assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []
     assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
+    # nor before it: the empty caches' keys and values are filled in place (kv_cache.init_cache);
+    # the copies left are a smaller phase's rows, gathered between the loops
+    assert [op for op in ops["copy"] if op[3] == "ENTRY" and op[4][1] == batch] == []
 
 
 def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
