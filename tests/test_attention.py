@@ -121,9 +121,9 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
 
 
 def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
-    """`cost.forced_rounds` (bench's round time) runs the forced tier for the rounds asked,
-    past a stop token that ends the request early, so that a short answer
-    times as many rounds as a long one; it reports the rounds between its two calls."""
+    """`cost.forced_rounds` (bench's round time) runs the forced tier past a stop token that
+    ends the request early (so that a short answer times as many rounds as a long one), for as
+    many rounds as fit `max_new_tokens` and a quarter as many; it reports the rounds between."""
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     prompt = [[1, 2, 3, 4, 5]]
