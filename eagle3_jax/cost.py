@@ -198,23 +198,19 @@ def forced_rounds(compiled, args, max_new_tokens: int, depth: int, *, tier: int 
     difference over the difference in rounds run.  Returns ``{"rounds", "round_ms",
     "parts_us"}``: rounds in the difference, wall milliseconds per round, and each part's op
     time per round under the profiler (:func:`profile_parts`; ``other``: the loop's own ops)."""
-    import time
+    from eagle3_jax.decode import forced_args, forced_call
 
-    from eagle3_jax.decode import forced_args
-
-    hi = max(max_new_tokens // (depth + 1), 2)
-    calls = [forced_args(args, tier, n) for n in (max(hi // 4, 1), hi)]
-    jax.block_until_ready(compiled(*calls[0]))
+    most = max(max_new_tokens // (depth + 1), 2)
+    rounds = (max(most // 4, 1), most)
+    forced_call(compiled, args, tier, rounds[0])  # the program's first run
     best, ran = [float("inf")] * 2, [0, 0]
     for _ in range(repeats):
-        for i, call in enumerate(calls):
-            start = time.perf_counter()
-            res = jax.block_until_ready(compiled(*call))
-            best[i] = min(best[i], time.perf_counter() - start)
-            ran[i] = int((np.asarray(res["accept"]) != -1).any(0).sum())
+        for i, r in enumerate(rounds):
+            seconds, ran[i] = forced_call(compiled, args, tier, r)
+            best[i] = min(best[i], seconds)
     n = max(ran[1] - ran[0], 1)
-    lo, hi = (profile_parts(compiled, *call, repeats=repeats) for call in calls)
-    parts = {k: max(hi.get(k, 0.0) - lo.get(k, 0.0), 0.0) / n for k in hi.keys() | lo.keys()}
+    short, long = (profile_parts(compiled, *forced_args(args, tier, r), repeats=repeats) for r in rounds)
+    parts = {k: max(long.get(k, 0.0) - short.get(k, 0.0), 0.0) / n for k in long.keys() | short.keys()}
     return {"rounds": n, "round_ms": 1e3 * max(best[1] - best[0], 0.0) / n,
             "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
 

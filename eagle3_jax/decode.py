@@ -816,8 +816,12 @@ def forced_args(args: tuple, tier: int, rounds: int) -> tuple:
     return (*args[:8], jnp.int32(tier), jnp.int32(rounds), *args[10:])
 
 
-def _forced(compiled, args, tier: int, cap: int) -> dict:
-    return compiled(*forced_args(args, tier, cap))
+def forced_call(compiled, args, tier: int, rounds: int) -> tuple[float, int]:
+    """One measurement call (:func:`forced_args`) of ``compile_generate``'s program: its wall
+    seconds and the rounds it ran (``max_new_tokens`` may end it before ``rounds``)."""
+    start = time.perf_counter()
+    res = jax.block_until_ready(compiled(*forced_args(args, tier, rounds)))
+    return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
 
 
 def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float = 0.2,
@@ -836,22 +840,17 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float
     if id(compiled) in _ROUND_MS:
         return _ROUND_MS[id(compiled)]
 
-    def seconds(tier: int, cap: int):
-        start = time.perf_counter()
-        res = jax.block_until_ready(_forced(compiled, args, tier, cap))
-        return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
-
-    seconds(0, 0)  # the program's first run
+    forced_call(compiled, args, 0, 0)  # the program's first run
     best, ran = {}, {}
     lo, hi = rounds, {}
     for tier in range(n_tiers):  # the longer call's rounds, from a call of lo (its prefill counted: fewer)
-        t, n = seconds(tier, lo)
+        t, n = forced_call(compiled, args, tier, lo)
         best[tier, lo], ran[tier, lo] = t, n
         hi[tier] = max(4 * lo, int(seconds_long * max(n, 1) / max(t, 1e-9)))
     for r in range(repeats):
         calls = [(0, 0)] + [(tier, cap) for tier in ((i + r) % n_tiers for i in range(n_tiers)) for cap in (lo, hi[tier])]
         for tier, cap in calls:
-            t, ran[tier, cap] = seconds(tier, cap)
+            t, ran[tier, cap] = forced_call(compiled, args, tier, cap)
             best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
 
     def per_round(i: int) -> float:
@@ -916,7 +915,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     first_token = None
     if time_first_token:
         start = time.perf_counter()
-        jax.block_until_ready(_forced(compiled, args, -1, 0))
+        jax.block_until_ready(compiled(*forced_args(args, -1, 0)))
         first_token = time.perf_counter() - start
     start = time.perf_counter()
     res = jax.block_until_ready(compiled(*args))

@@ -212,7 +212,7 @@ def test_round_costs_are_measured_past_the_answers_end(pair):
     assert n < 50  # the answer ends by itself, well before the limit
     for tier, t in enumerate(TIERS):
         cap = n + 8 if t is None else rounds + 8  # a plain round commits one token, a drafting one >= 1
-        forced = eagle3_jax.decode._forced(compiled, args, tier, cap)
+        forced = compiled(*eagle3_jax.decode.forced_args(args, tier, cap))
         ran = np.asarray(forced["accept"])[0] != -1
         assert ran.sum() == cap and (np.asarray(forced["round_tier"])[0][ran] == tier).all()
         assert n < int(forced["n_out"][0]) < 96
