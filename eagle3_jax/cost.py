@@ -197,21 +197,21 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> 
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
-def forced_rounds(compiled, args, max_new_tokens: int, depth: int, *, tier: int = 0, repeats: int = 3) -> dict:
-    """What one round of a compiled decode loop (``decode.compile_generate`` with
-    ``max_new_tokens``, its tier's tree ``depth`` deep: 0 for plain steps) costs, apart from
+def forced_rounds(compiled, args, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3) -> dict:
+    """What one round of a compiled decode loop (``decode.compile_generate``) costs, apart from
     what a call costs besides its rounds (the cache's allocation, the prefill, the launch, the
-    output's transfer): a call of as many rounds as fit ``max_new_tokens`` when every draft is
-    accepted and one of a quarter as many, speculation tier ``tier`` forced
-    (``decode.forced_args``: stop tokens ignored, so that a short answer runs as many rounds
-    as a long one), each the fastest of ``repeats`` (the two taking turns), and their
-    difference over the difference in rounds run.  Returns ``{"rounds", "round_ms",
-    "parts_us"}``: rounds in the difference, wall milliseconds per round, and each part's op
-    time per round under the profiler (:func:`profile_parts`, each part's least of ``repeats``
-    calls; ``other``: the loop's own ops)."""
+    output's transfer): a call of as many rounds as make ``new_tokens`` (at most the program's
+    ``max_new_tokens``) when every draft is accepted, the prefill making the first and a round
+    at most ``per_round`` (its tier's ``TreeConfig.path_len``; 1 for plain steps), and one of a
+    quarter as many, speculation tier ``tier`` forced (``decode.forced_args``: stop tokens
+    ignored, so that a short answer runs as many rounds as a long one), each the fastest of
+    ``repeats`` (the two taking turns), and their difference over the difference in rounds run.
+    Returns ``{"rounds", "round_ms", "parts_us"}``: rounds in the difference, wall milliseconds
+    per round, and each part's op time per round under the profiler (:func:`profile_parts`,
+    each part's least of ``repeats`` calls; ``other``: the loop's own ops)."""
     from eagle3_jax.decode import forced_args, forced_call
 
-    most = max(max_new_tokens // (depth + 1), 2)
+    most = max((new_tokens - 1) // per_round, 2)
     rounds = (max(most // 4, 1), most)
     forced_call(compiled, args, tier, rounds[0])  # the program's first run
     best, ran = [float("inf")] * 2, [0, 0]
@@ -226,16 +226,25 @@ def forced_rounds(compiled, args, max_new_tokens: int, depth: int, *, tier: int 
             "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
 
 
-def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1, log=print) -> dict:
+def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1,
+                forced_tokens: int | None = None, log=print) -> dict:
     """One request (``prompt`` repeated ``batch`` times) through the compiled decode loop,
     vanilla and speculative: ms per step / round, the round's parts (profiler), and the
-    cache-sized copies XLA left inside the loop."""
+    cache-sized copies XLA left inside the loop.
+
+    The rounds timed are those that fit ``forced_tokens`` new tokens (at most, and by default,
+    ``max_new_tokens``; see :func:`forced_rounds`): reports for several ``max_new_tokens``
+    given the smallest of them time the same rounds over the same live prefix, so that only
+    the cache's capacity differs between them."""
     from eagle3_jax.decode import compile_generate
 
-    out = {"max_new_tokens": max_new_tokens, "batch": batch}
+    forced_tokens = max_new_tokens if forced_tokens is None else forced_tokens
+    if not 1 <= forced_tokens <= max_new_tokens:
+        raise ValueError(f"forced_tokens={forced_tokens} must be in [1, max_new_tokens={max_new_tokens}]")
+    out = {"max_new_tokens": max_new_tokens, "forced_tokens": forced_tokens, "batch": batch}
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
         compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
-        forced = forced_rounds(compiled, args, max_new_tokens, tree.depth if d is not None else 0)
+        forced = forced_rounds(compiled, args, forced_tokens, tree.path_len if d is not None else 1)
         cfg = target.config
         max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
         layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
@@ -247,5 +256,5 @@ def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *
                      "in_place_updates": len([o for o in ops["in_place"] if o[3] != "ENTRY"])}
         shown = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in round_us.items())
         log(f"  {mode:7s} max_new={max_new_tokens} batch={batch} cache={max_len} slots: {forced['round_ms']:.2f} ms/round "
-            f"over {forced['rounds']} forced rounds; op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
+            f"over {forced['rounds']} forced rounds (of {forced_tokens} tokens); op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
     return out
