@@ -68,7 +68,7 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree)
-    forced = forced_rounds(compiled, args, max_new_tokens, tree.path_len, repeats=repeats)
+    [forced] = forced_rounds([(compiled, args)], max_new_tokens, tree.path_len, repeats=repeats)
     us = dict(forced["parts_us"])
     us["loop"] = us.pop("other", 0.0)
     names = ("draft", "verify", "catch_up", "commit", "emit", "loop")

@@ -339,8 +339,7 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
           + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
     print(f"decode loop, one request, {tree_name(tree)}, the rounds of {min(max_news)} new tokens timed at each "
           "max_new_tokens (the same live prefix, caches of different capacity):")
-    loops = [cost.loop_report(target, drafter, prompt, tree, m, batch=b, forced_tokens=min(max_news))
-             for b in batches for m in max_news]
+    loops = [rep for b in batches for rep in cost.loop_report(target, drafter, prompt, tree, max_news, batch=b)]
     return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "loops": loops}
 
 

@@ -197,64 +197,76 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> 
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
-def forced_rounds(compiled, args, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3) -> dict:
-    """What one round of a compiled decode loop (``decode.compile_generate``) costs, apart from
-    what a call costs besides its rounds (the cache's allocation, the prefill, the launch, the
-    output's transfer): a call of as many rounds as make ``new_tokens`` (at most the program's
-    ``max_new_tokens``) when every draft is accepted, the prefill making the first and a round
-    at most ``per_round`` (its tier's ``TreeConfig.path_len``; 1 for plain steps), and one of a
-    quarter as many, speculation tier ``tier`` forced (``decode.forced_args``: stop tokens
-    ignored, so that a short answer runs as many rounds as a long one), each the fastest of
-    ``repeats`` (the two taking turns), and their difference over the difference in rounds run.
-    Returns ``{"rounds", "round_ms", "parts_us"}``: rounds in the difference, wall milliseconds
-    per round, and each part's op time per round under the profiler (:func:`profile_parts`,
-    each part's least of ``repeats`` calls; ``other``: the loop's own ops)."""
+def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3) -> list[dict]:
+    """What one round of a compiled decode loop costs, apart from what a call costs besides
+    its rounds (the cache's allocation, the prefill, the launch, the output's transfer), for
+    each of ``programs``: ``(compiled, args)`` pairs of ``decode.compile_generate`` (one
+    request compiled for several ``max_new_tokens``, say).
+
+    Each program is called for as many rounds as make ``new_tokens`` (at most its
+    ``max_new_tokens``) when every draft is accepted, the prefill making the first token and a
+    round at most ``per_round`` (the tier's ``TreeConfig.path_len``; 1 for plain steps), and
+    for a quarter as many, speculation tier ``tier`` forced (``decode.forced_args``: stop
+    tokens ignored, so that a short answer runs as many rounds as a long one); each call is
+    the fastest of ``repeats``, the programs and their two calls taking turns so that a slow
+    spell of a shared machine falls on all of them, and a round costs the difference of the
+    two calls over the difference in rounds run.  Returns, per program, ``{"rounds",
+    "round_ms", "parts_us"}``: rounds in the difference, wall milliseconds per round, and
+    each part's op time per round under the profiler (:func:`profile_parts`, each part's
+    least of ``repeats`` calls; ``other``: the loop's own ops)."""
     from eagle3_jax.decode import forced_args, forced_call
 
     most = max((new_tokens - 1) // per_round, 2)
     rounds = (max(most // 4, 1), most)
-    forced_call(compiled, args, tier, rounds[0])  # the program's first run
-    best, ran = [float("inf")] * 2, [0, 0]
+    for compiled, args in programs:
+        forced_call(compiled, args, tier, rounds[0])  # the program's first run
+    best = [[float("inf")] * 2 for _ in programs]
+    ran = [[0, 0] for _ in programs]
     for _ in range(repeats):
-        for i, r in enumerate(rounds):
-            seconds, ran[i] = forced_call(compiled, args, tier, r)
-            best[i] = min(best[i], seconds)
-    n = max(ran[1] - ran[0], 1)
-    short, long = (profile_parts(compiled, *forced_args(args, tier, r), repeats=repeats) for r in rounds)
-    parts = {k: max(long.get(k, 0.0) - short.get(k, 0.0), 0.0) / n for k in long.keys() | short.keys()}
-    return {"rounds": n, "round_ms": 1e3 * max(best[1] - best[0], 0.0) / n,
-            "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
+        for p, (compiled, args) in enumerate(programs):
+            for i, r in enumerate(rounds):
+                seconds, ran[p][i] = forced_call(compiled, args, tier, r)
+                best[p][i] = min(best[p][i], seconds)
+    out = []
+    for (compiled, args), (short_s, long_s), (short_n, long_n) in zip(programs, best, ran):
+        n = max(long_n - short_n, 1)
+        short, long = (profile_parts(compiled, *forced_args(args, tier, r), repeats=repeats) for r in rounds)
+        parts = {k: max(long.get(k, 0.0) - short.get(k, 0.0), 0.0) / n for k in long.keys() | short.keys()}
+        out.append({"rounds": n, "round_ms": 1e3 * max(long_s - short_s, 0.0) / n,
+                    "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))})
+    return out
 
 
-def loop_report(target, drafter, prompt: list[int], tree, max_new_tokens: int, *, batch: int = 1,
-                forced_tokens: int | None = None, log=print) -> dict:
-    """One request (``prompt`` repeated ``batch`` times) through the compiled decode loop,
-    vanilla and speculative: ms per step / round, the round's parts (profiler), and the
-    cache-sized copies XLA left inside the loop.
+def loop_report(target, drafter, prompt: list[int], tree, max_news, *, batch: int = 1, repeats: int = 5,
+                log=print) -> list[dict]:
+    """One request (``prompt`` repeated ``batch`` times) through the compiled decode loop at
+    each ``max_new_tokens`` of ``max_news``, vanilla and speculative: ms per step / round, the
+    round's parts (profiler), and the cache-sized copies XLA left inside the loop.
 
-    The rounds timed are those that fit ``forced_tokens`` new tokens (at most, and by default,
-    ``max_new_tokens``; see :func:`forced_rounds`): reports for several ``max_new_tokens``
-    given the smallest of them time the same rounds over the same live prefix, so that only
-    the cache's capacity differs between them."""
+    Every program times the same rounds, those of the smallest ``max_new_tokens`` (see
+    :func:`forced_rounds`, ``repeats`` turns of the programs of a mode), over the same live prefix, so
+    that only the cache's capacity differs between them.  Returns one dict per
+    ``max_new_tokens``."""
     from eagle3_jax.decode import compile_generate
 
-    forced_tokens = max_new_tokens if forced_tokens is None else forced_tokens
-    if not 1 <= forced_tokens <= max_new_tokens:
-        raise ValueError(f"forced_tokens={forced_tokens} must be in [1, max_new_tokens={max_new_tokens}]")
-    out = {"max_new_tokens": max_new_tokens, "forced_tokens": forced_tokens, "batch": batch}
+    max_news = list(max_news)
+    forced_tokens = min(max_news)
+    out = [{"max_new_tokens": m, "forced_tokens": forced_tokens, "batch": batch} for m in max_news]
+    cfg = target.config
     for mode, d in (("vanilla", None), ("eagle3", drafter)):
-        compiled, args = compile_generate(target, d, [prompt] * batch, max_new_tokens=max_new_tokens, tree=tree)
-        forced = forced_rounds(compiled, args, forced_tokens, tree.path_len if d is not None else 1)
-        cfg = target.config
-        max_len = args[2].shape[1] + max_new_tokens + (tree.scratch if d is not None else 1)
-        layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
-        ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
-        loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
-        round_us = {k: v for k, v in forced["parts_us"].items() if v >= 5.0}  # the prefill's ops cancel out
-        out[mode] = {"rounds": forced["rounds"], "ms_per_round": forced["round_ms"], "cache_slots": max_len,
-                     "us_per_round": round_us, "loop_cache_copies": len(loop_copies),
-                     "in_place_updates": len([o for o in ops["in_place"] if o[3] != "ENTRY"])}
-        shown = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in round_us.items())
-        log(f"  {mode:7s} max_new={max_new_tokens} batch={batch} cache={max_len} slots: {forced['round_ms']:.2f} ms/round "
-            f"over {forced['rounds']} forced rounds (of {forced_tokens} tokens); op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
+        programs = [compile_generate(target, d, [prompt] * batch, max_new_tokens=m, tree=tree) for m in max_news]
+        timed = forced_rounds(programs, forced_tokens, tree.path_len if d is not None else 1, repeats=repeats)
+        for rep, (compiled, args), forced in zip(out, programs, timed):
+            m = rep["max_new_tokens"]
+            max_len = args[2].shape[1] + m + (tree.scratch if d is not None else 1)
+            layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
+            ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
+            loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]
+            round_us = {k: v for k, v in forced["parts_us"].items() if v >= 5.0}  # the prefill's ops cancel out
+            rep[mode] = {"rounds": forced["rounds"], "ms_per_round": forced["round_ms"], "cache_slots": max_len,
+                         "us_per_round": round_us, "loop_cache_copies": len(loop_copies),
+                         "in_place_updates": len([o for o in ops["in_place"] if o[3] != "ENTRY"])}
+            shown = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in round_us.items())
+            log(f"  {mode:7s} max_new={m} batch={batch} cache={max_len} slots: {forced['round_ms']:.2f} ms/round over "
+                f"{forced['rounds']} forced rounds; op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
     return out

@@ -133,27 +133,25 @@ def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
                                              stop_token_ids=[stop])
     assert int((np.asarray(compiled(*args)["accept"]) != -1).sum()) < 6  # the stop ends it early
     # 4 tokens a round (3 drafted and the bonus): 9 rounds fit the 39 after the prefill's, and a quarter of them
-    forced = cost.forced_rounds(compiled, args, 40, TreeConfig.chain(3).path_len, repeats=3)
+    [forced] = cost.forced_rounds([(compiled, args)], 40, TreeConfig.chain(3).path_len, repeats=3)
     assert forced["rounds"] == 9 - 2 and forced["round_ms"] > 0
     # each part is its least over the repeats (a preempted op inflates one call, not all three)
     assert forced["parts_us"]["verify"] > 0 and forced["parts_us"]["draft"] > 0
 
 
 def test_loop_report_times_the_same_rounds_at_each_cache_size():
-    """`bench --cost`'s sweep over `max_new_tokens` (`cost.loop_report` with `forced_tokens`, the
-    sweep's smallest) times the rounds of the same new tokens in each program, so that the live
-    prefix is the same and only the cache's capacity differs."""
+    """`bench --cost`'s sweep over `max_new_tokens` (`cost.loop_report`) times the rounds of the
+    smallest's new tokens in each program, so that the live prefix is the same and only the
+    cache's capacity differs."""
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
-    reports = [cost.loop_report(target, drafter, [1, 2, 3, 4, 5], TreeConfig.chain(3), m, forced_tokens=24,
-                                log=lambda line: None) for m in (24, 96)]
+    small, large = cost.loop_report(target, drafter, [1, 2, 3, 4, 5], TreeConfig.chain(3), [24, 96],
+                                    repeats=2, log=lambda line: None)
+    assert small["forced_tokens"] == large["forced_tokens"] == 24
     for mode, rounds in (("vanilla", 23 - 5), ("eagle3", 5 - 1)):  # 23 steps fit after the prefill's token; 5 rounds
-        small, large = (r[mode] for r in reports)
-        assert small["rounds"] == large["rounds"] == rounds
-        assert large["cache_slots"] - small["cache_slots"] == 96 - 24
-        assert small["loop_cache_copies"] == large["loop_cache_copies"] == 0
-    with pytest.raises(ValueError, match="forced_tokens=97"):
-        cost.loop_report(target, drafter, [1, 2, 3], TreeConfig.chain(3), 96, forced_tokens=97)
+        assert small[mode]["rounds"] == large[mode]["rounds"] == rounds
+        assert large[mode]["cache_slots"] - small[mode]["cache_slots"] == 96 - 24
+        assert small[mode]["loop_cache_copies"] == large[mode]["loop_cache_copies"] == 0
 
 
 _HLO_PARTS = """\
