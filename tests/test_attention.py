@@ -146,7 +146,7 @@ def test_loop_report_times_the_same_rounds_at_each_cache_size():
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     small, large = cost.loop_report(target, drafter, [1, 2, 3, 4, 5], TreeConfig.chain(3), [24, 96],
-                                    repeats=2, log=lambda line: None)
+                                    repeats=1, log=lambda line: None)
     assert small["forced_tokens"] == large["forced_tokens"] == 24
     for mode, rounds in (("vanilla", 23 - 5), ("eagle3", 5 - 1)):  # 23 steps fit after the prefill's token; 5 rounds
         assert small[mode]["rounds"] == large[mode]["rounds"] == rounds
