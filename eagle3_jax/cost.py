@@ -250,6 +250,8 @@ def loop_report(target, drafter, prompt: list[int], tree, max_news, *, batch: in
     from eagle3_jax.decode import compile_generate
 
     max_news = list(max_news)
+    if not max_news:
+        raise ValueError("loop_report: max_news names no max_new_tokens to time")
     forced_tokens = min(max_news)
     out = [{"max_new_tokens": m, "forced_tokens": forced_tokens, "batch": batch} for m in max_news]
     cfg = target.config
