@@ -129,10 +129,8 @@ def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
     work preempts an op adds to none of them."""
     parts = op_parts(compiled.as_text())
     jax.block_until_ready(compiled(*args))
-    best: dict[str, float] = {}
-    for _ in range(repeats):
-        for part, us in _traced_parts(compiled, args, parts).items():
-            best[part] = min(best.get(part, us), us)
+    calls = [_traced_parts(compiled, args, parts) for _ in range(repeats)]
+    best = {k: min(c.get(k, 0.0) for c in calls) for k in set().union(*calls)}
     return dict(sorted(best.items(), key=lambda kv: -kv[1]))
 
 
