@@ -65,22 +65,52 @@ def _row_probs(logits_BxxV, s: RowSampling):
     onehot = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
 
     def top_k(lg):
-        desc = -jnp.sort(-lg, axis=-1)
-        kth = jnp.take_along_axis(desc, jnp.maximum(col(s.top_k) - 1, 0) + jnp.zeros(lg.shape[:-1] + (1,), jnp.int32), -1)
-        return jnp.where((col(s.top_k) > 0) & (lg < kth), -jnp.inf, lg)
+        return jnp.where((col(s.top_k) > 0) & ~_top_k_mask(lg, col(s.top_k)), -jnp.inf, lg)
 
     logits = jax.lax.cond((s.top_k > 0).any(), top_k, lambda lg: lg, logits)
     probs = jax.nn.softmax(logits, axis=-1)
 
     def top_p(pr):
-        sorted_p = -jnp.sort(-pr, axis=-1)
-        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        cutoff = jnp.min(jnp.where(before < col(s.top_p), sorted_p, jnp.inf), axis=-1, keepdims=True)
-        kept = jnp.where(pr >= cutoff, pr, 0.0)
+        kept = jnp.where(_top_p_mask(pr, col(s.top_p)), pr, 0.0)
         return jnp.where(col(s.top_p) >= 1, pr, kept / kept.sum(-1, keepdims=True))  # a row's own parameters only
 
     probs = jax.lax.cond((s.top_p < 1).any(), top_p, lambda pr: pr, probs)
     return jnp.where(greedy, onehot, probs)
+
+
+def _ordered(x):
+    """float32 -> uint32 keys in the same order as the values (-inf first)."""
+    b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
+
+
+def _least_key(u, ok):
+    """The least ``x`` in ``[min(u), max(u)]`` (each row of the last axis) with ``ok(x)``,
+    for an ``ok`` false below some key and true from it on, and true at ``max(u)``: a
+    bisection over the 32-bit keys, ``ok`` a few fused reductions over the row per step
+    (a sort of every row costs far more on XLA:CPU; the result is the same)."""
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        good = ok(mid)
+        return jnp.where(good, lo, mid + 1), jnp.where(good, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (u.min(-1, keepdims=True), u.max(-1, keepdims=True)))[1]
+
+
+def _top_k_mask(logits, k):
+    """Which logits are among each row's ``k`` largest (``k`` broadcasts against the rows;
+    ties with the k-th largest are kept)."""
+    u = _ordered(logits)
+    return u >= _least_key(u, lambda t: (u > t).sum(-1, keepdims=True) < k)
+
+
+def _top_p_mask(probs, top_p):
+    """The nucleus of each row: the tokens whose strictly more likely tokens hold less than
+    ``top_p`` of the mass (the fewest most likely tokens that reach it, ties kept)."""
+    u = _ordered(probs)
+    return u >= _least_key(u, lambda t: jnp.where(u > t, probs, 0.0).sum(-1, keepdims=True) < top_p)
 
 
 def target_probs(logits_xV, s: SamplingConfig | RowSampling):
@@ -89,14 +119,10 @@ def target_probs(logits_xV, s: SamplingConfig | RowSampling):
         return _row_probs(logits_xV, s)
     logits = logits_xV.astype(jnp.float32) / s.temperature
     if s.top_k:
-        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        logits = jnp.where(_top_k_mask(logits, s.top_k), logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     if s.top_p < 1:
-        sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
-        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
-        cutoff = jnp.min(jnp.where(before < s.top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
-        probs = jnp.where(probs >= cutoff, probs, 0.0)
+        probs = jnp.where(_top_p_mask(probs, s.top_p), probs, 0.0)
         probs = probs / probs.sum(-1, keepdims=True)
     return probs
 

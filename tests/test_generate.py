@@ -183,6 +183,48 @@ def test_target_probs_filters():
     np.testing.assert_allclose(p, [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
 
 
+def _sorted_filters(logits, temperature, top_p, top_k):
+    """The filters as their definition reads, on one row with NumPy sorts: keep the ``top_k``
+    largest logits (ties with the k-th kept), then the fewest most likely tokens whose mass
+    reaches ``top_p`` (each token kept when the tokens sorted before it hold less)."""
+    lg = logits.astype(np.float64) / temperature
+    if top_k:
+        lg = np.where(lg < np.sort(lg)[::-1][top_k - 1], -np.inf, lg)
+    p = np.exp(lg - lg.max())
+    p /= p.sum()
+    if top_p < 1:
+        desc = np.sort(p)[::-1]
+        cutoff = desc[np.cumsum(desc) - desc < top_p].min()
+        p = np.where(p >= cutoff, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def test_filters_keep_what_sorting_keeps():
+    """top-k and top-p (found by bisection, not by sorting the vocabulary) keep exactly the
+    tokens a sort keeps, with ties, -inf logits and the parameters per row or static."""
+    rng = np.random.default_rng(0)
+    B, V = 48, 300
+    logits = rng.normal(size=(B, V)) * rng.uniform(0.2, 4, size=(B, 1))
+    logits[B // 3: 2 * B // 3] = rng.integers(-3, 3, size=(B // 3, V))  # many ties
+    logits[2 * B // 3:, rng.random(V) < 0.3] = -np.inf
+    logits[:, 0] = np.maximum(logits[:, 0], 0.0)
+    temperature = rng.uniform(0.3, 2, size=B)
+    top_p = np.where(rng.random(B) < 0.2, 1.0, rng.uniform(0.05, 0.999, size=B))
+    top_k = np.where(rng.random(B) < 0.3, 0, rng.integers(1, V + 1, size=B))
+    want = np.stack([_sorted_filters(*row) for row in zip(logits, temperature, top_p, top_k)])
+    rows = verify_mod.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                                  jnp.asarray(top_k, jnp.int32))
+    got = np.asarray(verify_mod.target_probs(jnp.asarray(logits, jnp.float32), rows))
+    np.testing.assert_array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for b in (1, B // 2, B - 1):  # the static path: one configuration for every row
+        s = verify_mod.SamplingConfig(float(temperature[b]), top_p=float(top_p[b]), top_k=int(top_k[b]))
+        got = np.asarray(verify_mod.target_probs(jnp.asarray(logits[b:b + 1], jnp.float32), s))[0]
+        np.testing.assert_array_equal(got > 0, want[b] > 0)
+        np.testing.assert_allclose(got, want[b], atol=1e-5)
+
+
 def test_per_row_sampling_gives_greedy_rows_the_greedy_result():
     """The slot engine's per-row parameters: all rows greedy (the run-time greedy walk) and a
     mix of greedy and sampled rows (the sampling walk) both give every greedy row exactly the
