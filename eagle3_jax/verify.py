@@ -79,8 +79,9 @@ def _row_probs(logits_BxxV, s: RowSampling):
 
 
 def _ordered(x):
-    """float32 -> uint32 keys in the same order as the values (-inf first)."""
-    b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """float32 -> uint32 keys in the same order as the values (-inf first; -0.0 is 0.0)."""
+    x = x.astype(jnp.float32)
+    b = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
     return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
 
 

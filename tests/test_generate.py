@@ -212,6 +212,8 @@ def test_filters_keep_what_sorting_keeps():
     temperature = rng.uniform(0.3, 2, size=B)
     top_p = np.where(rng.random(B) < 0.2, 1.0, rng.uniform(0.05, 0.999, size=B))
     top_k = np.where(rng.random(B) < 0.3, 0, rng.integers(1, V + 1, size=B))
+    logits[0], top_k[0], top_p[0] = -np.arange(V), 1, 1.0  # -0.0 ties with 0.0
+    logits[0, 1] = -0.0
     want = np.stack([_sorted_filters(*row) for row in zip(logits, temperature, top_p, top_k)])
     rows = verify_mod.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
                                   jnp.asarray(top_k, jnp.int32))
