@@ -56,7 +56,8 @@ def _check_same(logits, s: SamplingConfig, a, b) -> int:
     return len(rows)
 
 
-def _median_ms(fn, x, repeats: int) -> list[float]:
+def _times_ms(fn, x, repeats: int) -> list[float]:
+    """Milliseconds of ``repeats`` calls of ``fn(x)``, after a first one."""
     jax.block_until_ready(fn(x))
     out = []
     for _ in range(repeats):
@@ -85,7 +86,7 @@ def main(argv=None):
             times = {k: [] for k in fns}
             for _ in range(4):
                 for k, f in fns.items():
-                    times[k] += _median_ms(f, x, max(args.repeats // 4, 1))
+                    times[k] += _times_ms(f, x, max(args.repeats // 4, 1))
             ms = {k: float(np.median(v)) for k, v in times.items()}
             print(f"  top_p={s.top_p} top_k={s.top_k:<3d} rows {rows:4d}: bisection {ms['bisection']:8.2f} ms, "
                   f"sort {ms['sort']:8.2f} ms: sort / bisection {ms['sort'] / ms['bisection']:5.1f}x"
