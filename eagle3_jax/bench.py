@@ -228,10 +228,12 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             entry["tier_rounds"] = counts
             detail = f"rounds per tier {counts}"
         else:
+            core_ms = entry["draft_ms"] + entry["verify_ms"]
+            # a round cheaper than the timer's noise (a few tiny rounds) can time at 0 ms: no split then
+            share = f"{entry['round_ms'] / core_ms:.2f}x draft + verify" if core_ms > 0 else "below the timer's noise"
             detail = (f"round {entry['round_ms']:.2f} ms (draft {entry['draft_ms']:.2f}, verify {entry['verify_ms']:.2f}, "
                       f"catch-up {entry['catch_up_ms']:.2f}, commit {entry['commit_ms']:.2f}, rest "
-                      f"{entry['emit_ms'] + entry['loop_ms']:.2f}; "
-                      f"{entry['round_ms'] / (entry['draft_ms'] + entry['verify_ms']):.2f}x draft + verify)")
+                      f"{entry['emit_ms'] + entry['loop_ms']:.2f}; {share})")
         log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {entry['tokens_per_second']:.1f} tok/s, "
             f"speedup {entry['speedup']:.2f}x, tau {entry['tau']:.2f}, acceptance per position "
             f"{[round(r, 2) for r in entry['acceptance_rate']]}, {detail}"

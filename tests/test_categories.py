@@ -182,6 +182,21 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
     assert report["eagle3"][0]["acceptance_rate"] == [1.0, 0.5]
 
 
+def test_bench_logs_a_round_too_short_to_time_without_dividing_by_zero(monkeypatch):
+    """A few tiny rounds can time at 0 ms (their difference below the timer's noise, as on a busy
+    machine): the log says so instead of dividing by the parts' zero sum."""
+    monkeypatch.setattr(bench, "generate", lambda target, drafter, prompts, **kw: SimpleNamespace(
+        tokens=[[7, 8]] * len(prompts), stats={"seconds": 1.0, "accept_lengths": [[1]] * len(prompts),
+                                               "accepted_per_position": [1], "offered_per_position": [1]}))
+    monkeypatch.setattr(bench, "round_parts", lambda *a, **kw: dict.fromkeys(
+        ("round_ms", "draft_ms", "verify_ms", "catch_up_ms", "commit_ms", "emit_ms", "loop_ms"), 0.0))
+    lines = []
+    report = bench.run_bench(object(), object(), [[10, 1]], trees=[TreeConfig.chain(2)], max_new_tokens=2,
+                             batch_size=1, repeats=1, log=lines.append)
+    assert report["eagle3"][0]["round_ms"] == 0.0
+    assert any("eagle3 chain2" in line and "below the timer's noise" in line for line in lines)
+
+
 # ---------------------------------------------------------------- the CLI with the built-in pair
 TASKS = [dataclasses.asdict(t) for t in builtin.make_tasks(4, seed=1, exclude=set())]  # qa, math, code, tool
 
