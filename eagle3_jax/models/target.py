@@ -119,14 +119,18 @@ class Target(nnx.Module):
 
         h = self.embed[...][tokens_BxT].astype(self.dtype)
         stacked = {n: getattr(self, n)[...] for n, p in declare(cfg).present() if p.stacked}
-        capture = jnp.asarray(cfg.capture_layers)
+        # a captured layer (hit_L) writes its input into its slot of feats (slot_L), in place; the
+        # others rewrite slot 0 as it is: one [B, T, H] slot a layer, not a select over all three
+        hit_L, slot_L = np.zeros(cfg.num_layers, bool), np.zeros(cfg.num_layers, np.int32)
+        hit_L[list(cfg.capture_layers)], slot_L[list(cfg.capture_layers)] = True, np.arange(3)
         feats = jnp.zeros((3, B, T, cfg.hidden_size), self.dtype)
         kv = (cache.k, cache.v) if cache is not None else None  # read only inside the scan
 
         def layer(carry, xs):
             h, feats = carry
-            i, p = xs
-            feats = jnp.where((capture == i)[:, None, None, None], h[None], feats)
+            i, hit, slot, p = xs
+            kept = jax.lax.dynamic_index_in_dim(feats, slot, 0, keepdims=False)
+            feats = jax.lax.dynamic_update_index_in_dim(feats, jnp.where(hit, h, kept), slot, 0)
             x = layers.rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
             a, new_kv = layers.self_attention(
                 p, x, cos, sin, kv, i, prefix, region_mask_BxTxR, num_heads=cfg.num_heads,
@@ -136,7 +140,7 @@ class Target(nnx.Module):
             h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
             return (h, feats), new_kv
 
-        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), (jnp.arange(cfg.num_layers), stacked))
+        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), (jnp.arange(cfg.num_layers), jnp.asarray(hit_L), jnp.asarray(slot_L), stacked))
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
         return h, features, (k_new, v_new)
