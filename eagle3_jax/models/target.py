@@ -140,7 +140,8 @@ class Target(nnx.Module):
             h = h + layers.swiglu(x, p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
             return (h, feats), new_kv
 
-        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), (jnp.arange(cfg.num_layers), jnp.asarray(hit_L), jnp.asarray(slot_L), stacked))
+        xs = (jnp.arange(cfg.num_layers), jnp.asarray(hit_L), jnp.asarray(slot_L), stacked)
+        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), xs)
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
         return h, features, (k_new, v_new)
