@@ -337,10 +337,15 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
           + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
     print("  batch  " + "  ".join(f"{b}: {ms:.2f}" for b, ms in by_batch.items())
           + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
+    heaviest = {b: cost.step_ops(target, b) for b in (1, 32)}
+    for b, ops in heaviest.items():
+        print(f"  its heaviest XLA ops at batch {b} (own ms per step, runs per step, result, op_name):")
+        for o in ops:
+            print(f"    {o['us'] / 1e3:6.3f} ms {o['runs']:4d}x  {o['op']:36s} {o['shape']:22s} {o['scope']}")
     print(f"decode loop, one request, {tree_name(tree)}, the rounds of {min(max_news)} new tokens timed at each "
           "max_new_tokens (the same live prefix, caches of different capacity):")
     loops = [rep for b in batches for rep in cost.loop_report(target, drafter, prompt, tree, max_news, batch=b)]
-    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "loops": loops}
+    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops}
 
 
 def _figure_formats() -> list[str]:

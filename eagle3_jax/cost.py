@@ -1,6 +1,6 @@
 """Where a decode step's and a round's time goes, and whether XLA copies the KV cache.
 
-Two instruments, both on compiled programs:
+Three instruments, all on compiled programs:
 
 * :func:`profile_parts` runs a compiled function under the JAX profiler and charges
   each executed XLA op's own time (its duration minus the ops nested in it) to the
@@ -13,7 +13,11 @@ Two instruments, both on compiled programs:
   included (what must not happen per step), and in-place updates (dynamic-update-slice,
   scatter).
 
-``eagle3-jax bench --cost`` prints both for the vanilla step and the speculative round.
+* :func:`profile_ops` ranks the ops themselves by their own time: which XLA op (a copy XLA
+  inserted, a dot, a loop's bookkeeping), how often it runs per call and where it came from.
+
+``eagle3-jax bench --cost`` prints all three: the parts of the vanilla step and of the
+speculative round, the cache-sized copies, and the heaviest ops of ``decode_step`` by batch.
 """
 
 from __future__ import annotations
@@ -134,8 +138,42 @@ def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
     return dict(sorted(best.items(), key=lambda kv: -kv[1]))
 
 
-def _traced_parts(compiled, args, parts: dict[str, str]) -> dict[str, float]:
-    """One call of ``compiled(*args)`` under the profiler: exclusive microseconds per part."""
+def profile_ops(compiled, *args, repeats: int = 5, top: int = 10, fresh_args=None) -> list[dict]:
+    """The ``top`` ops of ``compiled(*args)`` by their own time (the profiler's exclusive time
+    of every execution in a call, summed; each op's least over ``repeats`` traced calls):
+    ``{"op", "us", "runs", "shape", "scope"}`` per op, heaviest first: its HLO name (XLA
+    names a fusion after the ops in it: ``dynamic-slice_bitcast_fusion`` copies a slice out of
+    a larger buffer), how many times one call runs it (16 for an op in a 16-layer loop), its
+    result's shape and the end of its ``op_name`` (empty for an op XLA made itself).
+
+    A program that donates its inputs (a decode step updating its cache in place) takes
+    ``fresh_args``: a function returning new ``args`` for each call, made before it is traced."""
+    info = _op_info(compiled.as_text())
+    names = {name: name for name in info}
+    call_args = fresh_args or (lambda: args)
+    jax.block_until_ready(compiled(*call_args()))
+    calls = [_traced_parts(compiled, call_args(), names, runs=True) for _ in range(repeats)]
+    best = {k: min(c[0].get(k, 0.0) for c in calls) for k in set().union(*(c[0] for c in calls))}
+    ranked = sorted(best.items(), key=lambda kv: -kv[1])[:top]
+    return [{"op": k, "us": us, "runs": calls[0][1].get(k, 0), **info[k]} for k, us in ranked]
+
+
+def _op_info(hlo_text: str) -> dict[str, dict]:
+    """HLO instruction name → ``{"shape", "scope"}`` (see :func:`profile_ops`)."""
+    found = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%(\S+) = (.*?) [\w-]+\(", line)
+        if m:
+            shape = re.sub(r"\{[^}]*\}", "", m.group(2))  # without the layout
+            op = _OP_NAME.search(line)
+            found[m.group(1)] = {"shape": "(tuple)" if shape.startswith("(") else shape,
+                                 "scope": "/".join(op.group(1).split("/")[-2:]) if op else ""}
+    return found
+
+
+def _traced_parts(compiled, args, parts: dict[str, str], runs: bool = False):
+    """One call of ``compiled(*args)`` under the profiler: exclusive microseconds per part
+    (and with ``runs``, also how many op executions each part had)."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         try:
@@ -149,6 +187,7 @@ def _traced_parts(compiled, args, parts: dict[str, str]) -> dict[str, float]:
     events = events["traceEvents"] if isinstance(events, dict) else events
     ops = [e for e in events if e.get("ph") == "X" and e.get("name") in parts]
     totals: dict[str, float] = collections.Counter()
+    counts: dict[str, int] = collections.Counter()
     by_thread = collections.defaultdict(list)
     for e in ops:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
@@ -157,6 +196,7 @@ def _traced_parts(compiled, args, parts: dict[str, str]) -> dict[str, float]:
         stack: list[list] = []  # [end, event, child time]
         def close(entry):
             totals[parts[entry[1]["name"]]] += entry[1]["dur"] - entry[2]
+            counts[parts[entry[1]["name"]]] += 1
         for e in evs:
             while stack and stack[-1][0] <= e["ts"]:
                 close(stack.pop())
@@ -165,7 +205,7 @@ def _traced_parts(compiled, args, parts: dict[str, str]) -> dict[str, float]:
             stack.append([e["ts"] + e["dur"], e, 0.0])
         while stack:
             close(stack.pop())
-    return dict(totals)
+    return (dict(totals), dict(counts)) if runs else dict(totals)
 
 
 def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> dict[tuple[int, int], float]:
@@ -193,6 +233,21 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> 
                     times[shape].append(time.perf_counter() - start)
                 caches[shape] = KVCache(cache.k, cache.v, cache.lengths - 1)
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
+
+
+def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int = 8, repeats: int = 5) -> list[dict]:
+    """:func:`profile_ops` of ``target.decode_step`` for ``batch`` sequences of ``live``
+    committed tokens in a cache of ``slots`` slots: the ops a step spends its time in."""
+    from flax import nnx
+
+    cache = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
+    graphdef, state = nnx.split(target)
+    # the cache donated, as decode_step's own jit does: written in place, not copied
+    step = jax.jit(lambda state, cache, tokens: nnx.merge(graphdef, state).decode_step(cache, tokens),
+                   donate_argnums=1)
+    tokens = np.ones((batch,), np.int32)
+    return profile_ops(step.lower(state, cache, tokens).compile(), repeats=repeats, top=top,
+                       fresh_args=lambda: (state, jax.tree.map(jax.numpy.copy, cache), tokens))
 
 
 def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3) -> list[dict]:

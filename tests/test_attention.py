@@ -220,3 +220,36 @@ def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
     assert parts["fusion.6"] == "catch_up"
     assert parts["copy.8"] == "other" and parts["while.9"] == "other"
     assert parts["copy.11"] == "draft"  # a branch of a conditional named in the draft
+
+
+def test_profile_ops_ranks_a_calls_ops_with_their_runs_per_call():
+    """`cost.profile_ops` (`bench --cost`'s heaviest ops of a step): every op it names is an op
+    of the compiled module, heaviest first, with its result's shape, its op_name and how many
+    times a call runs it: the dot in a 16-step layer loop 16 times, the sum after it once."""
+    def f(x_BxH, w_LxHxH):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x_BxH, w_LxHxH)
+        return h.sum()
+
+    x, w = jnp.ones((8, 64)), jnp.ones((16, 64, 64)) / 64
+    compiled = jax.jit(f).lower(x, w).compile()
+    ops = cost.profile_ops(compiled, x, w, repeats=2, top=1000)
+    hlo = compiled.as_text()
+    assert ops and all(f"%{o['op']} = " in hlo for o in ops)
+    assert [o["us"] for o in ops] == sorted((o["us"] for o in ops), reverse=True)
+    by_scope = {o["scope"].split("/")[-1]: o for o in ops}
+    assert by_scope["dot_general"]["runs"] == 16 and by_scope["dot_general"]["shape"] == "f32[8,64]"
+    assert by_scope["reduce_sum"]["runs"] == 1 and by_scope["reduce_sum"]["shape"] == "f32[]"
+    assert len(cost.profile_ops(compiled, x, w, repeats=1, top=2)) == 2
+
+
+def test_step_ops_profiles_the_decode_step_as_it_runs():
+    """`cost.step_ops` profiles `decode_step`'s own program: the cache donated and written in
+    place (no copy of a whole cache, which a wrapper that does not donate it would make), the
+    layer loop's ops run once per layer."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    cfg = target.config
+    ops = cost.step_ops(target, 2, live=5, slots=64, top=1000, repeats=1)
+    cache_shape = f"f32[{cfg.num_layers},2,64,{cfg.num_kv_heads},{cfg.head_dim}]"
+    assert [o for o in ops if o["shape"] == cache_shape]  # the writes of the new keys and values
+    assert not [o for o in ops if o["shape"] == cache_shape and o["op"].startswith("copy")]
+    assert {o["runs"] for o in ops} >= {1, cfg.num_layers}
