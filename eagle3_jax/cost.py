@@ -131,11 +131,7 @@ def profile_parts(compiled, *args, repeats: int = 5) -> dict[str, float]:
     the profiler trace; ``other`` = ops outside any named part): each part's least over
     ``repeats`` calls, each traced on its own, so that a spell in which a shared machine's other
     work preempts an op adds to none of them."""
-    parts = op_parts(compiled.as_text())
-    jax.block_until_ready(compiled(*args))
-    calls = [_traced_parts(compiled, args, parts) for _ in range(repeats)]
-    best = {k: min(c.get(k, 0.0) for c in calls) for k in set().union(*calls)}
-    return dict(sorted(best.items(), key=lambda kv: -kv[1]))
+    return _least_over_calls(compiled, lambda: args, op_parts(compiled.as_text()), repeats)[0]
 
 
 def profile_ops(compiled, *args, repeats: int = 5, top: int = 10, fresh_args=None) -> list[dict]:
@@ -149,13 +145,18 @@ def profile_ops(compiled, *args, repeats: int = 5, top: int = 10, fresh_args=Non
     A program that donates its inputs (a decode step updating its cache in place) takes
     ``fresh_args``: a function returning new ``args`` for each call, made before it is traced."""
     info = _op_info(compiled.as_text())
-    names = {name: name for name in info}
-    call_args = fresh_args or (lambda: args)
+    best, runs = _least_over_calls(compiled, fresh_args or (lambda: args), {name: name for name in info}, repeats)
+    return [{"op": k, "us": us, "runs": runs.get(k, 0), **info[k]} for k, us in list(best.items())[:top]]
+
+
+def _least_over_calls(compiled, call_args, key_of: dict[str, str], repeats: int):
+    """``compiled(*call_args())`` once untimed, then ``repeats`` times under the profiler:
+    each key's least exclusive microseconds over the calls (heaviest first), and how many op
+    executions the first traced call had per key."""
     jax.block_until_ready(compiled(*call_args()))
-    calls = [_traced_parts(compiled, call_args(), names, runs=True) for _ in range(repeats)]
+    calls = [_traced_parts(compiled, call_args(), key_of) for _ in range(repeats)]
     best = {k: min(c[0].get(k, 0.0) for c in calls) for k in set().union(*(c[0] for c in calls))}
-    ranked = sorted(best.items(), key=lambda kv: -kv[1])[:top]
-    return [{"op": k, "us": us, "runs": calls[0][1].get(k, 0), **info[k]} for k, us in ranked]
+    return dict(sorted(best.items(), key=lambda kv: -kv[1])), calls[0][1]
 
 
 def _op_info(hlo_text: str) -> dict[str, dict]:
@@ -171,9 +172,9 @@ def _op_info(hlo_text: str) -> dict[str, dict]:
     return found
 
 
-def _traced_parts(compiled, args, parts: dict[str, str], runs: bool = False):
-    """One call of ``compiled(*args)`` under the profiler: exclusive microseconds per part
-    (and with ``runs``, also how many op executions each part had)."""
+def _traced_parts(compiled, args, parts: dict[str, str]) -> tuple[dict[str, float], dict[str, int]]:
+    """One call of ``compiled(*args)`` under the profiler: exclusive microseconds per part,
+    and how many op executions each part had."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         try:
@@ -205,7 +206,7 @@ def _traced_parts(compiled, args, parts: dict[str, str], runs: bool = False):
             stack.append([e["ts"] + e["dur"], e, 0.0])
         while stack:
             close(stack.pop())
-    return (dict(totals), dict(counts)) if runs else dict(totals)
+    return dict(totals), dict(counts)
 
 
 def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> dict[tuple[int, int], float]:
