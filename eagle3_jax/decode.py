@@ -112,6 +112,11 @@ class _Loop:
     cache_shardings: tuple = (None, None)  # the target's and the drafter's cache layout on a mesh
 
     @property
+    def row_shards(self) -> int:
+        """The devices the batch is split over (each holding a block of consecutive rows)."""
+        return _batch_shards(self.cache_shardings[0])
+
+    @property
     def burst(self) -> int:
         """Target steps per ``None``-tier burst: the policy's cooldown, within the scratch slots
         the drafter's catch-up writes past the prefix."""
@@ -273,7 +278,8 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active
     carry = (jnp.int32(0), st, jnp.zeros((B, n, F), target.dtype), jnp.zeros((B, n), jnp.int32),
              jnp.zeros((B,), jnp.int32))
     _, st2, feats_BxNxF, tokens_BxN, count_B = jax.lax.while_loop(
-        lambda c: (c[0] < n) & _going(c[1], cap, min_active) & (_tier(c[1], force_tier) == none), step, carry)
+        lambda c: (c[0] < n) & _going(c[1], cap, min_active, loop.row_shards) & (_tier(c[1], force_tier) == none),
+        step, carry)
     with jax.named_scope("catch_up"):  # drafter position j pairs the feature at j with the token after it
         dpos = st.dcache.lengths[:, None] + jnp.arange(n)[None]
         dout, dcache = drafter(feats_BxNxF, tokens_BxN, dpos, cache=st.dcache)
@@ -367,7 +373,7 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_activ
     the slot engine's dispatches."""
     tiers = () if loop.spec is None else loop.spec.tiers
     burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier, min_active=min_active)
-    going = functools.partial(_going, cap=cap, min_active=min_active)
+    going = functools.partial(_going, cap=cap, min_active=min_active, shards=loop.row_shards)
 
     def tier_rounds(i: int):
         return functools.partial(_spec_round, target, drafter, loop=loop, tier=i)
@@ -400,18 +406,30 @@ COMPACT_FROM = 8
 COMPACT_MIN_NEW_TOKENS = 64
 
 
-def _phase_rows(batch: int, max_new_tokens: int, mesh=None) -> tuple[int, ...]:
+def _batch_shards(cache_sharding) -> int:
+    """How many devices a cache laid out by ``cache_sharding`` (``None``: one device) splits its
+    batch over."""
+    if cache_sharding is None:
+        return 1
+    spec = tuple(cache_sharding.spec) + (None,) * len(kv_cache.CACHE_AXES)
+    axes = spec[kv_cache.CACHE_AXES.index("batch")]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(cache_sharding.mesh.shape[a] for a in axes)
+
+
+def _phase_rows(batch: int, max_new_tokens: int, shards: int = 1) -> tuple[int, ...]:
     """The rows each phase of ``generate``'s loop runs on: the whole batch, then, once at most
     half of its rows are still decoding, those gathered into half as many rows, then into a
     quarter.  A static batch pays for its finished rows until its longest answer ends (the
     built-in pair's first 64 eval prompts at batch 32, 256 new tokens: 45% of its row-steps
     make a token; in phases, 1.6x the tokens/s, ``scripts/phases_bench.py``).  From
     ``COMPACT_FROM`` rows and ``COMPACT_MIN_NEW_TOKENS`` new tokens on (each phase compiles a
-    loop of its own, and moves the rows it keeps), and not on a mesh (a phase's rows there
-    must split over the data axes)."""
-    if batch < COMPACT_FROM or max_new_tokens < COMPACT_MIN_NEW_TOKENS or mesh is not None:
+    loop of its own, and moves the rows it keeps).  On a mesh whose data axes split the batch
+    over ``shards`` devices, the phases whose rows they split evenly: each device gathers its
+    own rows (see ``_phased_rounds``)."""
+    if batch < COMPACT_FROM or max_new_tokens < COMPACT_MIN_NEW_TOKENS:
         return (batch,)
-    return (batch, batch // 2, batch // 4)
+    return tuple(rows for rows in (batch, batch // 2, batch // 4) if rows % shards == 0)
 
 
 def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, phases: tuple[int, ...]) -> _State:
@@ -419,13 +437,18 @@ def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, ph
     decoding fit the next one, which takes them (in their order) and leaves the finished rows'
     outputs where they are.  Rows are independent (their keys, caches and limits are their
     own; the policy's state is shared and counts active rows only), so every row's tokens are
-    those of one loop over the whole batch.  Returns the whole batch's state without its caches."""
+    those of one loop over the whole batch.  On a mesh each device's block of rows shrinks on
+    that device (a phase starts once every device's active rows fit its share), so that no
+    cache moves between devices.  Returns the whole batch's state without its caches."""
     whole = idx = None
     left = cap
+    shards = loop.row_shards
     for i, rows in enumerate(phases):
-        if i:  # the active rows first (all of them fit), then finished ones to fill the phase
-            pick = jnp.argsort(st.done, stable=True)[:rows]
-            st, idx = _take_rows(st, pick), pick if idx is None else idx[pick]
+        if i:  # each device's active rows first (all of them fit), then finished ones to fill its share
+            n = st.done.shape[0] // shards
+            order = jnp.argsort(st.done.reshape(shards, n), axis=1, stable=True)[:, : rows // shards]
+            pick = (order + n * jnp.arange(shards)[:, None]).reshape(-1)
+            st, idx = _take_rows(st, pick, shards), pick if idx is None else idx[pick]
         st = _rounds(target, drafter, st, loop, force_tier, left, min_active=phases[i + 1] if i + 1 < len(phases) else 0)
         left = left - st.step
         rows_st = dataclasses.replace(st, tcache=None, dcache=None)
@@ -433,8 +456,11 @@ def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, ph
     return whole
 
 
-def _going(st: _State, cap, min_active: int = 0):
-    return ((~st.done).sum() > min_active) & (st.step < cap)
+def _going(st: _State, cap, min_active: int = 0, shards: int = 1):
+    """Whether the loop goes on: below ``cap`` steps, with more than ``min_active`` rows still
+    decoding (on a batch split over ``shards`` devices, more than their share on some device)."""
+    active = (~st.done).reshape(shards, -1).sum(1).max()
+    return (active > min_active // shards) & (st.step < cap)
 
 
 def _tier(st: _State, force_tier):
@@ -733,10 +759,11 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
         raise ValueError("thinking_budget needs the think-open/close tokens: pass think_token_ids=(open, close) or a "
                          "tokenizer with <think> and </think>")
     phase = np.array([budget.initial_phase(s, thinking) if thinking else budget.BEFORE for s in seqs], np.int32)
+    cache_shardings = _cache_shardings(target, drafter, len(seqs), max_len, mesh, rules)
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
               sampling=sampling, spec=speculation if drafter is not None else None,
-              thinking=thinking, cache_shardings=_cache_shardings(target, drafter, len(seqs), max_len, mesh, rules),
-              phases=_phase_rows(len(seqs), max_new_tokens, mesh))
+              thinking=thinking, cache_shardings=cache_shardings,
+              phases=_phase_rows(len(seqs), max_new_tokens, _batch_shards(cache_shardings[0])))
     return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms, rows, mesh,
                     None if rules is None else tuple(rules.items()))
 
@@ -1033,9 +1060,24 @@ def _put_rows(st: _State, rows: _State, at) -> _State:
     return jax.tree.map(put, st, rows, _row_axes(st))
 
 
-def _take_rows(st: _State, idx) -> _State:
-    """Rows ``idx`` of ``st``, in that order (the loop counter and the policy's state whole)."""
-    return jax.tree.map(lambda x, axis: x if axis < 0 else jnp.take(x, idx, axis=axis), st, _row_axes(st))
+def _take_rows(st: _State, idx, shards: int = 1) -> _State:
+    """Rows ``idx`` of ``st``, in that order (the loop counter and the policy's state whole).
+
+    ``shards`` > 1: the rows are split over that many devices in equal blocks, and ``idx``
+    takes as many rows from each block, in block order: each device gathers its own (a gather
+    whose batch is the devices), not the whole batch's."""
+    def take(x, axis):
+        if axis < 0:
+            return x
+        if shards == 1:
+            return jnp.take(x, idx, axis=axis)
+        n = x.shape[axis] // shards
+        own = idx.reshape(shards, -1) - n * jnp.arange(shards)[:, None]  # each block's own row numbers
+        blocks = x.reshape(x.shape[:axis] + (shards, n) + x.shape[axis + 1:])
+        own = own.reshape((1,) * axis + own.shape + (1,) * (x.ndim - axis - 1))
+        return jnp.take_along_axis(blocks, own, axis=axis + 1).reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
+
+    return jax.tree.map(take, st, _row_axes(st))
 
 
 def _set_rows(st: _State, rows: _State, idx) -> _State:

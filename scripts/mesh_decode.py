@@ -8,7 +8,10 @@ For the golden tiny pair and the built-in pair, vanilla and speculative, on mesh
 per-device shard shape is checked against its declared sharding, and the optimized program
 holds the target's KV cache at its per-device shape (batch over data, KV heads over tensor;
 replicated, explicitly, when there are fewer KV heads than tensor devices) and never at its
-whole shape.  ``--quick`` (the test suite's) runs the tiny pair, speculative only.
+whole shape.  Then a batch of 8 whose rows end at different times, on (data=2, tensor=4), so
+that it decodes in phases (each device's rows gathered into fewer on that device): the tokens
+and round records of one device, vanilla greedy and speculative sampled.  ``--quick`` (the
+test suite's) runs the tiny pair, speculative only, and the phases.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import eagle3_jax
 from eagle3_jax import builtin, decode, sharding
@@ -58,6 +62,19 @@ def check_cache_layout(compiled_text: str, cfg, batch: int, max_len: int, mesh) 
     return f"cache {whole} -> {shard} per device"
 
 
+def cache_collectives(compiled_text: str, max_len: int) -> list[str]:
+    """The collectives of the program that carry KV cache blocks (a result of 5 or more
+    dimensions, one of them the cache's ``max_len`` slots)."""
+    found = []
+    for line in compiled_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                     r"(?:-start)?\(", line)
+        if m and any(d.count(",") >= 4 and str(max_len) in d.split(",")
+                     for d in re.findall(r"\w+\[([\d,]+)\]", m.group(1))):
+            found.append(f"{m.group(2)} {m.group(1)[:80]}")
+    return found
+
+
 def check_weights(target, mesh) -> str:
     """Every declared weight sits on the mesh at its declared per-device shape."""
     from flax import nnx
@@ -71,6 +88,35 @@ def check_weights(target, mesh) -> str:
             assert x.sharding.shard_shape(x.shape) == decl[name].shard_shape(x.shape), name
     wq = placed["wq"][...]
     return f"wq {wq.shape} -> {wq.sharding.shard_shape(wq.shape)} per device"
+
+
+def check_phases(target, drafter, tree) -> str:
+    """8 rows on (data=2, tensor=4), greedy rows 0-5 stopping early and 6-7 running to 64
+    tokens: each device's 4 rows decode in phases of 4 and then 2 (both of the second device's
+    long rows there), and every row's tokens and round records are one device's (greedy, and
+    sampled with the drafter); no collective moves cache rows (each device gathers its own)."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, target.config.vocab_size, size=int(n)).tolist() for n in rng.integers(4, 30, size=8)]
+    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
+    long_rows = set(vanilla[6]) | set(vanilla[7])  # a stop token of each of rows 0-5 that 6 and 7 never make
+    stops = sorted({next(t for t in vanilla[r][3 + 6 * r:] if t not in long_rows) for r in range(6)})
+    mesh = sharding.make_mesh(data=2, tensor=4)
+    assert decode._phase_rows(8, 64, 2) == (8, 4, 2)
+    for d, temperature in ((None, 0.0), (drafter, 0.8)):
+        kw = dict(max_new_tokens=64, stop_token_ids=stops, temperature=temperature, seed=3, tree=tree)
+        want = eagle3_jax.generate(target, d, prompts, **kw)
+        got = eagle3_jax.generate(target, d, prompts, mesh=mesh, **kw)
+        assert got.tokens == want.tokens, ("phases", d is not None)
+        assert got.stats["accept_lengths"] == want.stats["accept_lengths"], ("phases", d is not None)
+        compiled, cargs = decode.compile_generate(target, d, prompts, mesh=mesh, **kw)
+        max_len = cargs[2].shape[1] + 64 + (1 if d is None else tree.scratch)
+        layout = check_cache_layout(compiled.as_text(), target.config, 8, max_len, mesh)
+        moved = cache_collectives(compiled.as_text(), max_len)
+        assert not moved, f"phases: a collective moves KV cache rows between devices: {moved}"
+        if d is None:
+            lengths = [len(t) for t in want.tokens]
+            assert max(lengths[:6]) < 40 and lengths[6:] == [64, 64], lengths  # 24+ steps with 2 rows a device
+    return f"phases (8, 4, 2) on {dict(mesh.shape)}: tokens identical (row lengths {lengths}); {layout}"
 
 
 def main(argv=None):
@@ -96,6 +142,8 @@ def main(argv=None):
                 layout = check_cache_layout(compiled.as_text(), target.config, batch, max_len, mesh)
                 print(f"{name:8s} {mode:8s} {axes}: tokens identical; {check_weights(target, mesh)}; {layout}",
                       flush=True)
+        if name == "tiny":
+            print(check_phases(target, drafter, tree), flush=True)
     print(f"ok in {time.perf_counter() - start:.0f} s")
 
 
