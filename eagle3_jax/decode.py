@@ -290,7 +290,8 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active
 def _propose(target, drafter, st: _State, active_B, sub_B, tree: TreeConfig, loop: _Loop):
     """Tier ``tree``'s draft and verification; the caches are only read.  Returns the accepted
     path's data (``tree.path_len`` nodes): node ids, accepted count, bonus, the token after
-    each node, its target features and keys/values, and the forced tokens committed."""
+    each node, its target features; the keys/values of every node of the tree (the commit
+    takes the path's, on each device its own rows'), and the forced tokens committed."""
     root, tcache = st.root, st.tcache
     B = root.shape[0]
     thinking = loop.thinking
@@ -313,9 +314,7 @@ def _propose(target, drafter, st: _State, active_B, sub_B, tree: TreeConfig, loo
         path, accepted, bonus = verify(t, logits, sub_B, _sampling(st, loop), tree.top_k, force_B=forcing)
         node = jnp.maximum(path, 0)
         drafted = jnp.take_along_axis(t.tokens, jnp.concatenate([node[:, 1:], node[:, :1]], 1), 1)
-        b = jnp.arange(B)[:, None]
-        return (path, accepted, bonus, drafted, jnp.take_along_axis(feats, node[..., None], 1),
-                tuple(x[:, b, node] for x in new_kv), n_forced)
+        return path, accepted, bonus, drafted, jnp.take_along_axis(feats, node[..., None], 1), new_kv, n_forced
 
 
 def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
@@ -327,7 +326,7 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
-    path, accepted, bonus, drafted, path_feats, path_kv, n_forced = _propose(target, drafter, st, active, sub,
+    path, accepted, bonus, drafted, path_feats, tree_kv, n_forced = _propose(target, drafter, st, active, sub,
                                                                              spec.tiers[tier], loop)
     # the round's own path length: a short tier's commit and catch-up cost no more than its own
     j = jnp.arange(path.shape[1])[None]
@@ -347,7 +346,7 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
         think = dataclasses.replace(think, force=force, forced=think.forced | hit)
     count = jnp.where(active, accepted + 1, 0)
     with jax.named_scope("commit"):
-        tcache = kv_cache.commit(st.tcache, jnp.broadcast_to(j, path.shape), count, new_kv=path_kv)
+        tcache = kv_cache.commit(st.tcache, jnp.maximum(path, 0), count, new_kv=tree_kv)  # the path's nodes
     with jax.named_scope("catch_up"):
         # token following each committed node: the next accepted draft token, then the bonus
         new = jnp.where(j < accepted[:, None], drafted, bonus[:, None])
@@ -1040,7 +1039,7 @@ def _stats(res: dict, seconds: float, spec: Speculation | None) -> dict:
 def _row_axes(st: _State) -> _State:
     """The batch axis of every array of ``st``, in its shape (-1: shared by the rows, the loop
     counter and the policy's state)."""
-    cache = lambda c: None if c is None else kv_cache.KVCache(1, 1, 0)  # noqa: E731  ([L, B, S, K, D] keys and values)
+    cache = lambda c: None if c is None else dataclasses.replace(c, k=1, v=1, lengths=0)  # noqa: E731  ([L, B, S, K, D])
     return dataclasses.replace(jax.tree.map(lambda _: 0, st), tcache=cache(st.tcache), dcache=cache(st.dcache),
                                step=-1, ctl=jax.tree.map(lambda _: -1, st.ctl))
 

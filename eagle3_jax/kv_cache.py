@@ -25,6 +25,9 @@ class KVCache:
     k: jax.Array  # [L, B, S, K, D]
     v: jax.Array  # [L, B, S, K, D]
     lengths: jax.Array  # [B] int32: committed slots per sequence
+    # the keys' and values' layout on a mesh (set by ``constrain``; static): writes and moves
+    # then run on each device's own rows
+    sharding: jax.sharding.NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def max_len(self) -> int:
@@ -66,17 +69,45 @@ def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, hea
 
 
 def constrain(cache: KVCache, sharding) -> KVCache:
-    """``cache`` with its keys and values laid out by ``sharding`` (``None``: as they are)."""
+    """``cache`` with its keys and values laid out by ``sharding`` (``None``: as they are),
+    which it keeps (see :func:`write`)."""
     if sharding is None:
         return cache
     return KVCache(jax.lax.with_sharding_constraint(cache.k, sharding),
-                   jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths)
+                   jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths, sharding)
+
+
+def by_rows(cache: KVCache, fn, *args):
+    """``fn(*args)`` on each device's own rows when ``cache.sharding`` splits the batch, else
+    as it is.  ``args`` and the results are arrays laid out as the cache (``[L, B, ...]``,
+    five dimensions) or per row (``[B, ...]``).
+
+    A scatter into (or gather from) rows picked by index is not local to XLA's partitioner,
+    which would send every row's data to every device first (a decode step's new keys and
+    values, all rows, to each device)."""
+    sh = cache.sharding
+    if sh is None:
+        return fn(*args)
+    spec = tuple(sh.spec) + (None,) * (len(CACHE_AXES) - len(sh.spec))
+    rows = spec[CACHE_AXES.index("batch")]
+    if rows is None:
+        return fn(*args)
+    P = jax.sharding.PartitionSpec
+
+    def specs(tree):
+        return jax.tree.map(lambda x: P(*spec) if x.ndim == len(CACHE_AXES) else P(rows), tree)
+
+    out = jax.eval_shape(fn, *args)
+    return jax.shard_map(fn, mesh=sh.mesh, in_specs=specs(args), out_specs=specs(out))(*args)
 
 
 def write(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, at_B) -> KVCache:
     """Writes ``T`` new rows per layer and sequence at slots ``at[b] + [0, T)`` (lengths
-    unchanged), updating the cache in place when it is donated or carried by a loop."""
-    return KVCache(_put(cache.k, k_new_LxBxTxKxD, at_B), _put(cache.v, v_new_LxBxTxKxD, at_B), cache.lengths)
+    unchanged), updating the cache in place when it is donated or carried by a loop (on a
+    mesh, each device its own rows)."""
+    k, v = by_rows(cache, lambda k, v, k_new, v_new, at: (_put(k, k_new, at), _put(v, v_new, at)),
+                   cache.k, cache.v, k_new_LxBxTxKxD, v_new_LxBxTxKxD, at_B)
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 def _put(c_LxBxSxKxD, new_LxBxTxKxD, at_B):
@@ -98,14 +129,17 @@ def commit(cache: KVCache, src_BxA, count_B, new_kv=None) -> KVCache:
     Entries past ``count`` are ignored.  Sources are gathered before any write, so
     overlapping moves are safe; only the ``A`` kept rows are written.
     """
-    B, A = src_BxA.shape
-    b = jnp.arange(B)[:, None]
-    if new_kv is None:
-        src = cache.lengths[:, None] + src_BxA
-        moved_k, moved_v = cache.k[:, b, src], cache.v[:, b, src]  # [L, B, A, K, D]
-    else:
-        moved_k, moved_v = new_kv[0][:, b, src_BxA], new_kv[1][:, b, src_BxA]
-    return advance(write(cache, moved_k, moved_v, cache.lengths), count_B)
+    def move(k, v, lengths, src_BxA, *new):
+        b = jnp.arange(src_BxA.shape[0])[:, None]
+        if new:
+            moved_k, moved_v = new[0][:, b, src_BxA], new[1][:, b, src_BxA]
+        else:
+            src = lengths[:, None] + src_BxA
+            moved_k, moved_v = k[:, b, src], v[:, b, src]  # [L, B, A, K, D]
+        return _put(k, moved_k, lengths), _put(v, moved_v, lengths)
+
+    k, v = by_rows(cache, move, cache.k, cache.v, cache.lengths, src_BxA, *(new_kv or ()))
+    return advance(dataclasses.replace(cache, k=k, v=v), count_B)
 
 
 def advance(cache: KVCache, count_B) -> KVCache:

@@ -8,7 +8,8 @@ For the golden tiny pair and the built-in pair, vanilla and speculative, on mesh
 per-device shard shape is checked against its declared sharding, and the optimized program
 holds the target's KV cache at its per-device shape (batch over data, KV heads over tensor;
 replicated, explicitly, when there are fewer KV heads than tensor devices) and never at its
-whole shape.  Then a batch of 8 whose rows end at different times, on (data=2, tensor=4), so
+whole shape; where the batch is split, no collective carries every row's keys or values (each
+device writes, commits and reads its own rows).  Then a batch of 8 whose rows end at different times, on (data=2, tensor=4), so
 that it decodes in phases (each device's rows gathered into fewer on that device): the tokens
 and round records of one device, vanilla greedy and speculative sampled.  ``--quick`` (the
 test suite's) runs the tiny pair, speculative only, and the phases.
@@ -62,14 +63,14 @@ def check_cache_layout(compiled_text: str, cfg, batch: int, max_len: int, mesh) 
     return f"cache {whole} -> {shard} per device"
 
 
-def cache_collectives(compiled_text: str, max_len: int) -> list[str]:
-    """The collectives of the program that carry KV cache blocks (a result of 5 or more
-    dimensions, one of them the cache's ``max_len`` slots)."""
+def cache_collectives(compiled_text: str, carries) -> list[str]:
+    """The collectives of the program whose result has a five-dimensional array (the layout of
+    the KV cache and of the keys and values written to it) for which ``carries(dims)`` holds."""
     found = []
     for line in compiled_text.splitlines():
         m = re.match(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
                      r"(?:-start)?\(", line)
-        if m and any(d.count(",") >= 4 and str(max_len) in d.split(",")
+        if m and any(d.count(",") == 4 and carries(tuple(map(int, d.split(","))))
                      for d in re.findall(r"\w+\[([\d,]+)\]", m.group(1))):
             found.append(f"{m.group(2)} {m.group(1)[:80]}")
     return found
@@ -111,8 +112,9 @@ def check_phases(target, drafter, tree) -> str:
         compiled, cargs = decode.compile_generate(target, d, prompts, mesh=mesh, **kw)
         max_len = cargs[2].shape[1] + 64 + (1 if d is None else tree.scratch)
         layout = check_cache_layout(compiled.as_text(), target.config, 8, max_len, mesh)
-        moved = cache_collectives(compiled.as_text(), max_len)
-        assert not moved, f"phases: a collective moves KV cache rows between devices: {moved}"
+        L = target.config.num_layers
+        moved = cache_collectives(compiled.as_text(), lambda dims: max_len in dims or dims[:2] == (L, 8))
+        assert not moved, f"phases: a collective moves cache rows or every row's keys/values: {moved}"
         if d is None:
             lengths = [len(t) for t in want.tokens]
             assert max(lengths[:6]) < 40 and lengths[6:] == [64, 64], lengths  # 24+ steps with 2 rows a device
@@ -140,6 +142,10 @@ def main(argv=None):
                 batch, T = cargs[2].shape
                 max_len = T + args.max_new_tokens + (1 if d is None else tree.scratch)
                 layout = check_cache_layout(compiled.as_text(), target.config, batch, max_len, mesh)
+                if mesh.shape["data"] > 1:  # each device writes and moves its own rows' keys and values
+                    L = target.config.num_layers
+                    every_row = cache_collectives(compiled.as_text(), lambda dims: dims[:2] == (L, batch))
+                    assert not every_row, f"{axes}: a collective carries every row's keys or values: {every_row}"
                 print(f"{name:8s} {mode:8s} {axes}: tokens identical; {check_weights(target, mesh)}; {layout}",
                       flush=True)
         if name == "tiny":

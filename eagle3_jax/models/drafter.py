@@ -8,13 +8,15 @@ later steps feed the drafter's own pre-norm output (width ``H``, no ``fc``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import DrafterConfig, RopeConfig
-from eagle3_jax.kv_cache import KVCache, init_cache, storage_dtype, write
+from eagle3_jax.kv_cache import KVCache, by_rows, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, fan_in_normal, ones
 
 
@@ -89,17 +91,21 @@ class Drafter(nnx.Module):
         if cache is not None:
             if write_offset:
                 slots_BxO = cache.lengths[:, None] + jnp.arange(write_offset)[None]
-                bidx = jnp.arange(tokens_BxT.shape[0])[:, None]
-                region_kv = (cache.k[0, bidx, slots_BxO], cache.v[0, bidx, slots_BxO])
+
+                def region(k, v, slots_BxO):  # [1, B, O, K, D]: each sequence's own slots
+                    b = jnp.arange(slots_BxO.shape[0])[:, None]
+                    return k[:1, b, slots_BxO], v[:1, b, slots_BxO]
+
+                region_kv = tuple(x[0] for x in by_rows(cache, region, cache.k, cache.v, slots_BxO))
             at_B = cache.lengths + write_offset
 
             def write_kv(kv, k_new, v_new):
-                written = write(KVCache(*kv, cache.lengths), k_new[None], v_new[None], at_B)
+                written = write(dataclasses.replace(cache, k=kv[0], v=kv[1]), k_new[None], v_new[None], at_B)
                 return written.k, written.v
 
         h, kv = self.step(hidden_BxTxF, tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR,
                           region_kv=region_kv, _write=write_kv)
-        return h, None if cache is None else KVCache(*kv, cache.lengths)
+        return h, None if cache is None else dataclasses.replace(cache, k=kv[0], v=kv[1])
 
     def step(self, hidden_BxTxF, tokens_BxT, positions_BxT, *, cache: KVCache | None = None,
              region_mask_BxTxR=None, region_kv=None, _write=None):
