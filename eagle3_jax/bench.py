@@ -51,7 +51,7 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list
 
 
 def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new_tokens: int = 256,
-                batch_size: int = 1, repeats: int = 3) -> dict:
+                batch_size: int = 1, repeats: int = 3, mesh=None) -> dict:
     """Milliseconds per round of the speculative round and its parts, inside the compiled
     decode loop on ``prompt`` (repeated ``batch_size`` times), the tree forced for as many
     rounds as fit ``max_new_tokens`` and for a quarter of them (stop tokens ignored:
@@ -63,11 +63,13 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     shares of the same difference in op time under the profiler: ``draft`` (tree expansion),
     ``verify`` (the target's tree forward + the acceptance walk), ``catch_up`` (the drafter on
     the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
-    (the loop's own bookkeeping)."""
+    (the loop's own bookkeeping).  ``mesh``: decoded on it (as ``generate(..., mesh=)``; the
+    parts' op time summed over its devices)."""
     from eagle3_jax.cost import forced_rounds
     from eagle3_jax.decode import compile_generate
 
-    compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree)
+    compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree,
+                                      mesh=mesh)
     [forced] = forced_rounds([(compiled, args)], max_new_tokens, tree.path_len, repeats=repeats)
     us = dict(forced["parts_us"])
     us["loop"] = us.pop("other", 0.0)
@@ -212,7 +214,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size)
+                                     batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"))
         entry = {"tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
                  {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
                  **entry, "wall_ms_per_round": 1e3 * entry["seconds"] / max(entry["rounds"], 1), **parts.get(key, {})}

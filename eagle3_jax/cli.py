@@ -243,7 +243,7 @@ def _cmd_bench(args) -> int:
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
     if args.cost:
         doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
-                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}))
+                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), _mesh(args))
         write_atomic(json_path, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {json_path}")
         return 0
@@ -325,17 +325,19 @@ def _cmd_experiment(args) -> int:
     return 0
 
 
-def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
-    """Where a step's and a round's time goes (see ``eagle3_jax.cost``), printed and returned."""
+def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None) -> dict:
+    """Where a step's and a round's time goes (see ``eagle3_jax.cost``), printed and returned
+    (``mesh``: the batches it splits step on it)."""
     from eagle3_jax import cost
     from eagle3_jax.bench import tree_name
 
-    print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots):")
+    print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots"
+          + (f"; * on the mesh {dict(mesh.shape)}" if mesh is not None else "") + "):")
     by_slots = {s: ms for (_, s), ms in cost.step_ms(target, [(1, s) for s in (256, 1024, 4096, 16384)]).items()}
-    by_batch = {b: ms for (b, _), ms in cost.step_ms(target, [(b, 256) for b in (1, 8, 32)]).items()}
+    by_batch = {b: ms for (b, _), ms in cost.step_ms(target, [(b, 256) for b in (1, 8, 32)], mesh=mesh).items()}
     print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
           + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
-    print("  batch  " + "  ".join(f"{b}: {ms:.2f}" for b, ms in by_batch.items())
+    print("  batch  " + "  ".join(f"{b}{'*' if cost.on_mesh(mesh, b) else ''}: {ms:.2f}" for b, ms in by_batch.items())
           + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
     heaviest = {b: cost.step_ops(target, b) for b in (1, 32)}
     for b, ops in heaviest.items():
@@ -345,7 +347,9 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches) -> dict:
     print(f"decode loop, one request, {tree_name(tree)}, the rounds of {min(max_news)} new tokens timed at each "
           "max_new_tokens (the same live prefix, caches of different capacity):")
     loops = [rep for b in batches for rep in cost.loop_report(target, drafter, prompt, tree, max_news, batch=b)]
-    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops}
+    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops,
+            "step_mesh": None if mesh is None else {"axes": dict(mesh.shape),
+                                                    "batches": [b for b in by_batch if cost.on_mesh(mesh, b)]}}
 
 
 def _figure_formats() -> list[str]:

@@ -32,6 +32,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from eagle3_jax import kv_cache
+
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -209,31 +211,65 @@ def _traced_parts(compiled, args, parts: dict[str, str]) -> tuple[dict[str, floa
     return dict(totals), dict(counts)
 
 
-def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3) -> dict[tuple[int, int], float]:
+def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, mesh=None) -> dict[tuple[int, int], float]:
     """Median milliseconds of ``target.decode_step`` for each ``(batch, slots)`` of ``shapes``:
     ``batch`` sequences of ``live`` committed tokens in a cache of ``slots`` slots (the live
     length is held fixed).  The shapes take ``turns`` turns of ``calls / turns`` timed calls
     each (after two untimed ones, so that each runs back to back as in a decode loop): a slow
-    spell of a shared machine falls on all of them, and their ratios hold."""
+    spell of a shared machine falls on all of them, and their ratios hold.
+
+    ``mesh``: a batch that the mesh's batch axes split runs on it (the weights placed by their
+    declared axes, the cache by ``kv_cache.CACHE_AXES``, as ``generate(..., mesh=)`` decodes;
+    see :func:`on_mesh`); any other batch on one device."""
+    import dataclasses
     import time
 
-    from eagle3_jax.kv_cache import KVCache
-
+    models = {shape: _step_model(target, shape[0], mesh) for shape in shapes}
     caches = {}
-    for batch, slots in shapes:
-        caches[batch, slots] = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
+    for (batch, slots), (model, cache_sharding) in models.items():
+        cache = model.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
+        caches[batch, slots] = kv_cache.constrain(cache, cache_sharding)
     times = {shape: [] for shape in caches}
     for _ in range(turns):
         for shape in caches:
             tokens = np.ones((shape[0],), np.int32)
             for i in range(2 + -(-calls // turns)):
                 start = time.perf_counter()
-                logits, _, cache = target.decode_step(caches[shape], tokens)
+                logits, _, cache = models[shape][0].decode_step(caches[shape], tokens)
                 jax.block_until_ready(logits)
                 if i >= 2:
                     times[shape].append(time.perf_counter() - start)
-                caches[shape] = KVCache(cache.k, cache.v, cache.lengths - 1)
+                caches[shape] = dataclasses.replace(cache, lengths=cache.lengths - 1)
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
+
+
+def on_mesh(mesh, batch: int) -> bool:
+    """Whether ``mesh``'s batch axes (``sharding.RULES``) split ``batch`` rows over more than
+    one device (and evenly)."""
+    if mesh is None:
+        return False
+    from eagle3_jax import sharding
+
+    shards = int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"].mesh_axes if a in mesh.shape]))
+    return shards > 1 and batch % shards == 0
+
+
+def _step_model(target, batch: int, mesh):
+    """``(target, cache sharding)`` for a decode step of ``batch`` rows: placed on ``mesh``
+    when it splits them (:func:`on_mesh`), else ``target`` as it is and ``None``."""
+    if not on_mesh(mesh, batch):
+        return target, None
+    from flax import nnx
+
+    from eagle3_jax import sharding
+    from eagle3_jax.models.target import declare
+
+    graphdef, state = nnx.split(target)
+    placed = nnx.merge(graphdef, sharding.place(state, declare(target.config), mesh))
+    cfg = target.config
+    shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the spec does not depend on the slots
+    spec = sharding.spec(shape, kv_cache.CACHE_AXES, mesh, name="target KV cache")
+    return placed, jax.sharding.NamedSharding(mesh, spec)
 
 
 def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int = 8, repeats: int = 5) -> list[dict]:

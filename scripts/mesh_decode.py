@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 import eagle3_jax
-from eagle3_jax import builtin, decode, sharding
+from eagle3_jax import builtin, cost, decode, sharding
 from eagle3_jax.decode import encode_chat
 from eagle3_jax.models.target import declare
 from eagle3_jax.tree import TreeConfig
@@ -150,6 +150,10 @@ def main(argv=None):
                       flush=True)
         if name == "tiny":
             print(check_phases(target, drafter, tree), flush=True)
+            # bench --cost --mesh: a batch the mesh splits steps on it, batch 1 on one device
+            mesh = sharding.make_mesh(data=2, tensor=4)
+            ms = cost.step_ms(target, [(1, 64), (8, 64)], live=5, calls=2, turns=1, mesh=mesh)
+            assert sorted(ms) == [(1, 64), (8, 64)] and min(ms.values()) > 0, ms
     print(f"ok in {time.perf_counter() - start:.0f} s")
 
 

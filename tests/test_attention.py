@@ -253,3 +253,14 @@ def test_step_ops_profiles_the_decode_step_as_it_runs():
     assert [o for o in ops if o["shape"] == cache_shape]  # the writes of the new keys and values
     assert not [o for o in ops if o["shape"] == cache_shape and o["op"].startswith("copy")]
     assert {o["runs"] for o in ops} >= {1, cfg.num_layers}
+
+
+def test_step_ms_puts_on_a_mesh_only_the_batches_it_splits():
+    """`bench --cost --mesh`: `cost.step_ms` steps a batch on the mesh when its batch axes
+    split it evenly over more than one device, and any other batch on one device."""
+    from eagle3_jax.sharding import abstract_mesh
+
+    assert cost.on_mesh(abstract_mesh(data=2), 32) and cost.on_mesh(abstract_mesh(data=2, tensor=4), 8)
+    assert not cost.on_mesh(abstract_mesh(data=2), 1) and not cost.on_mesh(abstract_mesh(data=4), 6)
+    assert not cost.on_mesh(abstract_mesh(tensor=8), 32) and not cost.on_mesh(None, 32)
+    # (scripts/mesh_decode.py steps a batch on a real mesh with it)
