@@ -345,7 +345,8 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None) ->
         for o in ops:
             print(f"    {o['us'] / 1e3:6.3f} ms {o['runs']:4d}x  {o['op']:36s} {o['shape']:22s} {o['scope']}")
     print(f"decode loop, one request, {tree_name(tree)}, the rounds of {min(max_news)} new tokens timed at each "
-          "max_new_tokens (the same live prefix, caches of different capacity):")
+          "max_new_tokens (the same live prefix, caches of different capacity"
+          + ("; on one device" if mesh is not None else "") + "):")
     loops = [rep for b in batches for rep in cost.loop_report(target, drafter, prompt, tree, max_news, batch=b)]
     return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops,
             "step_mesh": None if mesh is None else {"axes": dict(mesh.shape),
