@@ -257,10 +257,10 @@ def test_step_ops_profiles_the_decode_step_as_it_runs():
 
 def test_step_ms_puts_on_a_mesh_only_the_batches_it_splits():
     """`bench --cost --mesh`: `cost.step_ms` steps a batch on the mesh when its batch axes
-    split it evenly over more than one device, and any other batch on one device."""
+    split it evenly over more than one device, and any other batch on one device (on a real
+    mesh: the README's `bench --cost --mesh data=2` runs)."""
     from eagle3_jax.sharding import abstract_mesh
 
     assert cost.on_mesh(abstract_mesh(data=2), 32) and cost.on_mesh(abstract_mesh(data=2, tensor=4), 8)
     assert not cost.on_mesh(abstract_mesh(data=2), 1) and not cost.on_mesh(abstract_mesh(data=4), 6)
     assert not cost.on_mesh(abstract_mesh(tensor=8), 32) and not cost.on_mesh(None, 32)
-    # (scripts/mesh_decode.py steps a batch on a real mesh with it)
