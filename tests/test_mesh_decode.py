@@ -1,6 +1,6 @@
 """Decoding on a simulated 8-device mesh: the tokens of one device, weights and KV caches
-really sharded, and a batch in phases on a data-parallel mesh (the full matrix, with the built-in pair and vanilla decoding, is
-``scripts/mesh_decode.py``)."""
+really sharded, and a batch in phases on a data-parallel mesh (the full matrix, with the
+built-in pair and vanilla decoding, is ``scripts/mesh_decode.py``)."""
 
 from __future__ import annotations
 
