@@ -246,11 +246,9 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
 def on_mesh(mesh, batch: int) -> bool:
     """Whether ``mesh``'s batch axes (``sharding.RULES``) split ``batch`` rows over more than
     one device (and evenly)."""
-    if mesh is None:
-        return False
     from eagle3_jax import sharding
 
-    shards = int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"].mesh_axes if a in mesh.shape]))
+    shards = sharding.batch_shards(mesh)
     return shards > 1 and batch % shards == 0
 
 

@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import math
 import time
 from typing import Sequence
 
@@ -114,7 +113,7 @@ class _Loop:
     @property
     def row_shards(self) -> int:
         """The devices the batch is split over (each holding a block of consecutive rows)."""
-        return _batch_shards(self.cache_shardings[0])
+        return kv_cache.row_shards(self.cache_shardings[0])
 
     @property
     def burst(self) -> int:
@@ -403,17 +402,6 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_activ
 # (see ``_phase_rows``).
 COMPACT_FROM = 8
 COMPACT_MIN_NEW_TOKENS = 64
-
-
-def _batch_shards(cache_sharding) -> int:
-    """How many devices a cache laid out by ``cache_sharding`` (``None``: one device) splits its
-    batch over."""
-    if cache_sharding is None:
-        return 1
-    spec = tuple(cache_sharding.spec) + (None,) * len(kv_cache.CACHE_AXES)
-    axes = spec[kv_cache.CACHE_AXES.index("batch")]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(cache_sharding.mesh.shape[a] for a in axes)
 
 
 def _phase_rows(batch: int, max_new_tokens: int, shards: int = 1) -> tuple[int, ...]:
@@ -736,8 +724,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh), got "
                             f"{type(mesh).__name__}")
-        shards = math.prod(mesh.shape[a] for a in sharding.resolve_rules(rules)["batch"].mesh_axes if a in mesh.shape)
-        seqs = seqs + [seqs[0]] * (-len(seqs) % shards)
+        seqs = seqs + [seqs[0]] * (-len(seqs) % sharding.batch_shards(mesh, rules))
     longest = max(s.size for s in seqs)
     T = _bucket(longest)
     scratch = 1 if drafter is None else speculation.scratch
@@ -762,7 +749,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
     kw = dict(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids,
               sampling=sampling, spec=speculation if drafter is not None else None,
               thinking=thinking, cache_shardings=cache_shardings,
-              phases=_phase_rows(len(seqs), max_new_tokens, _batch_shards(cache_shardings[0])))
+              phases=_phase_rows(len(seqs), max_new_tokens, kv_cache.row_shards(cache_shardings[0])))
     return _Request(prompt, lengths, tuple(kw.items()), seed, budgets, phase, round_ms, rows, mesh,
                     None if rules is None else tuple(rules.items()))
 

@@ -9,6 +9,7 @@ scratch: never visible except through a forward's region mask.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,20 @@ def constrain(cache: KVCache, sharding) -> KVCache:
                    jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths, sharding)
 
 
+def _batch_axes(sharding) -> tuple:
+    """The mesh axes a cache layout splits the batch over (none without a layout)."""
+    if sharding is None:
+        return ()
+    axes = (tuple(sharding.spec) + (None,) * len(CACHE_AXES))[CACHE_AXES.index("batch")]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def row_shards(sharding) -> int:
+    """How many devices a cache laid out by ``sharding`` (``None``: one device) splits its
+    batch over, each holding a block of consecutive rows."""
+    return math.prod(sharding.mesh.shape[a] for a in _batch_axes(sharding))
+
+
 def by_rows(cache: KVCache, fn, *args):
     """``fn(*args)`` on each device's own rows when ``cache.sharding`` splits the batch, else
     as it is.  ``args`` and the results are arrays laid out as the cache (``[L, B, ...]``,
@@ -86,13 +101,11 @@ def by_rows(cache: KVCache, fn, *args):
     which would send every row's data to every device first (a decode step's new keys and
     values, all rows, to each device)."""
     sh = cache.sharding
-    if sh is None:
-        return fn(*args)
-    spec = tuple(sh.spec) + (None,) * (len(CACHE_AXES) - len(sh.spec))
-    rows = spec[CACHE_AXES.index("batch")]
-    if rows is None:
+    rows = _batch_axes(sh)
+    if not rows:
         return fn(*args)
     P = jax.sharding.PartitionSpec
+    spec = tuple(sh.spec) + (None,) * (len(CACHE_AXES) - len(sh.spec))
 
     def specs(tree):
         return jax.tree.map(lambda x: P(*spec) if x.ndim == len(CACHE_AXES) else P(rows), tree)

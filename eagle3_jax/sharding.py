@@ -72,6 +72,14 @@ def resolve_rules(rules: Mapping | None = None) -> dict[str, Rule]:
     return {**RULES, **{k: _rule(v, k) for k, v in (rules or {}).items()}}
 
 
+def batch_shards(mesh, rules: Mapping | None = None) -> int:
+    """How many devices of ``mesh`` (a ``Mesh`` or an ``AbstractMesh``) the ``batch`` rule
+    splits a batch over (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in resolve_rules(rules)["batch"].mesh_axes if a in mesh.shape)
+
+
 def spec(shape, axes, mesh, rules: Mapping | None = None, *, units: Mapping[str, int] | None = None,
          name: str = "array") -> P:
     """The ``PartitionSpec`` of array ``name`` of ``shape`` with logical ``axes`` on ``mesh``
