@@ -104,23 +104,25 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
         v_reg = jnp.concatenate([region_kv[1], v_reg.astype(region_kv[1].dtype)], 1)
     mask_BxTxR = region_mask_BxTxR[..., : k_reg.shape[1]]
 
-    def scores(k_BxSxKxD, visible):  # visible broadcasts to [B, K, G, T, S]
-        s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
+    # [B, K, T, G, ...]: the order XLA's dots produce (batch dims, then the query's free dims
+    # as they stand in q), so that neither the scores nor the output need a transpose
+    def scores(k_BxSxKxD, visible):  # visible broadcasts to [B, K, T, G, S]
+        s = jnp.einsum("btkgd,bskd->bktgs", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32)
         return jnp.where(visible, s * scale, -jnp.inf)
 
-    def update(state, s_BxKxGxTxS, v_BxSxKxD):
+    def update(state, s_BxKxTxGxS, v_BxSxKxD):
         m, l, acc = state
-        m_new = jnp.maximum(m, s_BxKxGxTxS.max(-1, keepdims=True))
+        m_new = jnp.maximum(m, s_BxKxTxGxS.max(-1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
         alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s_BxKxGxTxS - m_safe)
-        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD, preferred_element_type=jnp.float32)
+        p = jnp.exp(s_BxKxTxGxS - m_safe)
+        pv = jnp.einsum("bktgs,bskd->bktgd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(-1, keepdims=True), alpha * acc + pv
 
     G = N // K
-    state = (jnp.full((B, K, G, T, 1), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T, 1), jnp.float32),
-             jnp.zeros((B, K, G, T, D), jnp.float32))
-    state = update(state, scores(k_reg, mask_BxTxR[:, None, None]), v_reg)
+    state = (jnp.full((B, K, T, G, 1), -jnp.inf, jnp.float32), jnp.zeros((B, K, T, G, 1), jnp.float32),
+             jnp.zeros((B, K, T, G, D), jnp.float32))
+    state = update(state, scores(k_reg, mask_BxTxR[:, None, :, None]), v_reg)
     if kv is not None:
         S = kv[0].shape[2]
         blk = min(block or PREFIX_BLOCK, S)
@@ -138,8 +140,8 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
         n_blocks = (jnp.max(prefix_len_B) + blk - 1) // blk
         state = jax.lax.fori_loop(0, n_blocks, prefix_block, state)
     _, l, acc = state
-    out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # [B, K, G, T, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
+    out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # [B, K, T, G, D]
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
 
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "pallas_interpret_gpu")
