@@ -265,9 +265,8 @@ def _step_model(target, batch: int, mesh):
     graphdef, state = nnx.split(target)
     placed = nnx.merge(graphdef, sharding.place(state, declare(target.config), mesh))
     cfg = target.config
-    shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the spec does not depend on the slots
-    spec = sharding.spec(shape, kv_cache.CACHE_AXES, mesh, name="target KV cache")
-    return placed, jax.sharding.NamedSharding(mesh, spec)
+    shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the layout does not depend on the slots
+    return placed, kv_cache.layout(shape, mesh, name="target KV cache")
 
 
 def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int = 8, repeats: int = 5) -> list[dict]:

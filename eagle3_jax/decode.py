@@ -764,8 +764,7 @@ def _cache_shardings(target, drafter, batch: int, max_len: int, mesh, rules) -> 
             out.append(None)
             continue
         shape = (layers_, batch, max_len, model.config.num_kv_heads, model.config.head_dim)
-        spec = sharding.spec(shape, kv_cache.CACHE_AXES, mesh, rules, name=f"{name} KV cache")
-        out.append(jax.sharding.NamedSharding(mesh, spec))
+        out.append(kv_cache.layout(shape, mesh, rules, name=f"{name} KV cache"))
     return tuple(out)
 
 

@@ -78,6 +78,15 @@ def constrain(cache: KVCache, sharding) -> KVCache:
                    jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths, sharding)
 
 
+def layout(shape, mesh, rules=None, *, name: str = "KV cache") -> jax.sharding.NamedSharding:
+    """The layout of a cache's keys or values of ``shape`` (``[L, B, S, K, D]``) on ``mesh``, by
+    :data:`CACHE_AXES` and the sharding ``rules`` (batch over data, KV heads over tensor,
+    replicated when there are fewer KV heads than tensor devices); ``name`` in its errors."""
+    from eagle3_jax import sharding
+
+    return jax.sharding.NamedSharding(mesh, sharding.spec(shape, CACHE_AXES, mesh, rules, name=name))
+
+
 def _batch_axes(sharding) -> tuple:
     """The mesh axes a cache layout splits the batch over (none without a layout)."""
     if sharding is None:

@@ -87,12 +87,10 @@ def cache_structs(num_layers: int, batch: int, length: int, num_kv_heads: int, h
                   rules=None, name: str = "KV cache") -> list[jax.ShapeDtypeStruct]:
     """Keys and values ``[L, B, S, K, D]`` sharded by ``CACHE_AXES`` (batch over data,
     KV heads over tensor, replicated when there are fewer KV heads than tensor devices)."""
-    from eagle3_jax import sharding
-    from eagle3_jax.kv_cache import CACHE_AXES
+    from eagle3_jax import kv_cache
 
     shape = (num_layers, batch, length, num_kv_heads, head_dim)
-    spec = sharding.spec(shape, CACHE_AXES, mesh, rules, name=name)
-    s = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+    s = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache.layout(shape, mesh, rules, name=name))
     return [s, s]
 
 
