@@ -34,6 +34,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
+from eagle3_jax.sharding import auto_mesh
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -539,11 +540,8 @@ def _param_shardings(decl, path: Path, mesh, rules, shardings) -> dict:
     if rules is not None and mesh is None:
         raise ValueError("rules= needs mesh=")
     if mesh is not None:
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"mesh: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh), got "
-                            f"{type(mesh).__name__}")
         try:
-            return decl.shardings(mesh, rules)
+            return decl.shardings(auto_mesh(mesh), rules)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     shardings = dict(shardings or {})

@@ -224,6 +224,9 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
     import dataclasses
     import time
 
+    from eagle3_jax import sharding
+
+    mesh = None if mesh is None else sharding.auto_mesh(mesh)
     models = {shape: _step_model(target, shape[0], mesh) for shape in shapes}
     caches = {}
     for (batch, slots), (model, cache_sharding) in models.items():

@@ -721,9 +721,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
             raise ValueError(f"round_ms: need one positive time per tier ({len(speculation.tiers)}), got {round_ms.tolist()}")
     rows = len(seqs)
     if mesh is not None:  # pad the batch to a multiple of the devices it is split over
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"mesh: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh), got "
-                            f"{type(mesh).__name__}")
+        mesh = sharding.auto_mesh(mesh)
         seqs = seqs + [seqs[0]] * (-len(seqs) % sharding.batch_shards(mesh, rules))
     longest = max(s.size for s in seqs)
     T = _bucket(longest)
@@ -902,7 +900,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       round_ms: milliseconds per round of each tier, for the adaptive policy (default:
         measured once per models, tiers, batch and prompt bucket).
       seed: the sampling seed, in [0, 2**32).
-      mesh: a ``jax.sharding.Mesh`` (``eagle3_jax.sharding.make_mesh``) to decode on: weights by
+      mesh: a ``jax.sharding.Mesh`` (``eagle3_jax.sharding.make_mesh``, or ``jax.make_mesh``'s, its
+        Explicit axes taken as Auto: ``sharding.auto_mesh``) to decode on: weights by
         their declared logical axes (heads, MLP and vocabulary over ``tensor``), KV caches over
         KV heads, the batch over ``data`` (padded to a multiple of it); ``rules`` override
         ``eagle3_jax.sharding.RULES``.  Models loaded with ``mesh=`` are used in place, others

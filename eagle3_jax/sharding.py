@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -132,6 +132,22 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Me
     if data * fsdp * tensor != devices.size:
         raise ValueError(f"mesh {data}x{fsdp}x{tensor} does not match the {devices.size} devices")
     return Mesh(devices.reshape(data, fsdp, tensor), MESH_AXES)
+
+
+def auto_mesh(mesh, what: str = "mesh") -> Mesh:
+    """``mesh`` with every axis ``Auto`` (the same devices and axis names).
+
+    This package places arrays by their declared logical axes and constrains the ones it
+    makes inside a program (``with_sharding_constraint``), which JAX allows on ``Auto`` axes
+    only, while ``jax.make_mesh`` makes ``Explicit`` axes by default: every function that
+    takes a ``mesh=`` passes it through here.  Raises ``TypeError`` naming ``what`` for
+    anything but a ``jax.sharding.Mesh``."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{what}: expected a jax.sharding.Mesh (e.g. eagle3_jax.sharding.make_mesh or "
+                        f"jax.make_mesh), got {type(mesh).__name__}")
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> jax.sharding.AbstractMesh:

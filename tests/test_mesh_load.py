@@ -115,3 +115,23 @@ def test_bad_tensors_are_refused_on_a_mesh_too(tmp_path, bad, why):
     shutil.copy(FIXTURES / "target_tiny" / "config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'model.safetensors'}: tensor '{name}'") + f".*{why}"):
         eagle3_jax.load_target(tmp_path, mesh=make_mesh(1, 1, 1))
+
+
+def test_a_mesh_with_explicit_axes_loads_and_decodes_as_an_auto_one():
+    """``jax.make_mesh`` makes Explicit axes by default; loading and decoding take such a mesh
+    as its Auto twin (same devices and names) and give the tokens of no mesh at all."""
+    import jax
+    from jax.sharding import AxisType
+
+    from eagle3_jax.sharding import MESH_AXES, auto_mesh
+
+    explicit = jax.make_mesh((1, 1, 1), MESH_AXES, axis_types=(AxisType.Explicit,) * 3)
+    auto = auto_mesh(explicit)
+    assert auto.axis_types == (AxisType.Auto,) * 3 and auto.axis_names == MESH_AXES
+    assert (auto.devices == explicit.devices).all() and auto_mesh(auto) is auto
+    ref = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny", mesh=explicit)
+    assert target.wq[...].sharding.mesh == auto
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    want = eagle3_jax.generate(ref, None, prompts, max_new_tokens=6).tokens
+    assert eagle3_jax.generate(target, None, prompts, max_new_tokens=6, mesh=explicit).tokens == want

@@ -34,7 +34,9 @@ def test_mesh_step_equals_single_device(tmp_path):
         target = eagle3_jax.load_target(FIXTURES / "target_tiny")
         cfg = FitConfig(steps=2, batch_size=8, lr=1e-3, warmup_steps=1, ttt_length=3)
         out = {{}}
-        for name, mesh in (("single", make_mesh(1, 1, 1, devices=jax.devices()[:1])), ("mesh", make_mesh(2, 2, 2))):
+        # the 8-device mesh as jax.make_mesh makes it (Explicit axes by default), which the trainer takes as Auto
+        explicit = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+        for name, mesh in (("single", make_mesh(1, 1, 1, devices=jax.devices()[:1])), ("mesh", explicit)):
             drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
             tr = Trainer(target, drafter, _records(), cfg, work_dir={str(tmp_path)!r} + "/" + name, mesh=mesh)
             losses = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(2)]

@@ -180,7 +180,7 @@ class Trainer:
     def __init__(self, target, drafter, records: dict, cfg: FitConfig, *, work_dir: str | Path, mesh: Mesh | None = None):
         self.cfg = cfg
         self.work_dir = Path(work_dir)
-        self.mesh = mesh or sharding.make_mesh(data=-1)
+        self.mesh = sharding.make_mesh(data=-1) if mesh is None else sharding.auto_mesh(mesh)
         self.records = records
         self.seq_len = records["input_ids"].shape[1]
         self.opt = optimizer(cfg)
