@@ -22,6 +22,8 @@ from eagle3_jax.tree import TreeConfig
 def parse_tree(spec: str) -> TreeConfig:
     """``"60,7,10"`` → TreeConfig(60, 7, 10); ``"chain4"`` → a 4-token chain."""
     if spec.startswith("chain"):
+        if not spec[5:].isdigit() or int(spec[5:]) < 1:
+            raise ValueError(f"--tree {spec!r}: chainN needs a whole number of tokens N >= 1 (e.g. chain4)")
         return TreeConfig.chain(int(spec[5:]))
     try:
         n, d, k = (int(x) for x in spec.split(","))

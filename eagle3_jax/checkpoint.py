@@ -679,7 +679,11 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     rotary frequencies replicated).
     """
     from eagle3_jax.models.drafter import Drafter, declare
+    from eagle3_jax.models.target import Target
 
+    if target is not None and not isinstance(target, Target):
+        raise TypeError(f"target: expected a loaded Target (eagle3_jax.load_target(...)), got {type(target).__name__} "
+                        f"{target!r}")
     path = Path(path)
     raw = read_config_json(path)
     cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))

@@ -8,6 +8,7 @@ same stop logic; it is the baseline of every speedup figure.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import itertools
@@ -540,11 +541,21 @@ def _bucket(n: int, base: int = 32) -> int:
 MIN_TEMPERATURE = 1e-3
 
 
+def _host_scalar(x):
+    """A 0-d numpy or JAX array as its numpy scalar (``np.array(5)``, ``jnp.int32(5)`` and
+    ``np.int32(5)`` read alike); anything else as it is."""
+    if isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0:
+        return np.asarray(x)[()]
+    return x
+
+
 def _is_int(x) -> bool:
+    x = _host_scalar(x)
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    value = _host_scalar(value)
     if not _is_int(value):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < lo or (hi is not None and value >= hi):
@@ -553,6 +564,7 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
 
 
 def _float_arg(name: str, value) -> float:
+    value = _host_scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not np.isfinite(value):
@@ -560,9 +572,9 @@ def _float_arg(name: str, value) -> float:
     return float(value)
 
 
-def prompt_rows(prompts, vocab_size: int, tokenizer=None) -> list[np.ndarray]:
+def prompt_rows(prompts, vocab_size: int, tokenizer=None, *, row_name: str | None = None) -> list[np.ndarray]:
     """One int64 array per prompt, from the containers ``generate`` accepts (see there);
-    ``TypeError`` / ``ValueError`` naming ``prompts[i]`` otherwise."""
+    ``TypeError`` / ``ValueError`` naming ``prompts[i]`` (or ``row_name``) otherwise."""
     if isinstance(prompts, str):
         prompts = [prompts]
     elif isinstance(prompts, (np.ndarray, jax.Array)):
@@ -579,26 +591,27 @@ def prompt_rows(prompts, vocab_size: int, tokenizer=None) -> list[np.ndarray]:
         raise ValueError("prompts: need at least one prompt")
     rows = []
     for i, p in enumerate(prompts):
+        label = row_name or f"prompts[{i}]"
         if isinstance(p, str):
             if tokenizer is None:
-                raise ValueError(f"prompts[{i}] is a string: pass tokenizer= to encode it")
+                raise ValueError(f"{label} is a string: pass tokenizer= to encode it")
             p = tokenizer.encode(p)
         if isinstance(p, (np.ndarray, jax.Array)):
             arr = np.asarray(p)
             if arr.ndim != 1:
-                raise ValueError(f"prompts[{i}]: expected a 1-D sequence of token ids, got shape {arr.shape}")
+                raise ValueError(f"{label}: expected a 1-D sequence of token ids, got shape {arr.shape}")
             if not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(f"prompts[{i}]: token ids must be integers, got dtype {arr.dtype}")
+                raise TypeError(f"{label}: token ids must be integers, got dtype {arr.dtype}")
         elif isinstance(p, (list, tuple)):
             bad = next((x for x in p if not _is_int(x)), None)
             if bad is not None:
-                raise TypeError(f"prompts[{i}]: token ids must be integers, got {type(bad).__name__} {bad!r}")
+                raise TypeError(f"{label}: token ids must be integers, got {type(bad).__name__} {bad!r}")
             arr = np.asarray(p, np.int64)
         else:
-            raise TypeError(f"prompts[{i}]: expected a sequence of token ids, got {type(p).__name__}")
+            raise TypeError(f"{label}: expected a sequence of token ids, got {type(p).__name__}")
         if arr.size == 0:
-            raise ValueError(f"prompts[{i}] is empty")
-        check_token_ids(arr, vocab_size, f"prompts[{i}]")
+            raise ValueError(f"{label} is empty")
+        check_token_ids(arr, vocab_size, label)
         rows.append(arr.astype(np.int64))
     return rows
 
@@ -659,8 +672,10 @@ def _thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, 
 def _budgets(thinking_budget, n: int) -> np.ndarray:
     if thinking_budget is None or _is_int(thinking_budget):
         values = [thinking_budget] * n
-    elif isinstance(thinking_budget, (str, bytes)) or not hasattr(thinking_budget, "__len__"):
-        raise TypeError(f"thinking_budget must be None, an int or one value per prompt, got {thinking_budget!r}")
+    elif (isinstance(thinking_budget, (str, bytes, collections.abc.Mapping, collections.abc.Set))
+          or not hasattr(thinking_budget, "__len__")):  # a dict's or a set's order is not the prompts'
+        raise TypeError(f"thinking_budget must be None, an int or one value per prompt (a list, tuple or array), "
+                        f"got {type(thinking_budget).__name__} {thinking_budget!r}")
     else:
         values = list(thinking_budget)
         if len(values) != n:
@@ -1345,7 +1360,7 @@ class Slots:
         if self._busy[slot]:
             raise ValueError(f"slot {slot} holds a running request: release it first")
         (prompt,) = prompt_rows([prompt_ids] if not isinstance(prompt_ids, str) else prompt_ids, self._vocab,
-                                self._tokenizer)
+                                self._tokenizer, row_name="prompt_ids")
         max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
         room = self.max_new_tokens_for(prompt.size)
         if max_new_tokens > room:

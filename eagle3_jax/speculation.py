@@ -33,6 +33,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.tree import TreeConfig
 
@@ -72,14 +73,20 @@ class Speculation:
                 raise TypeError(f"speculation.tiers[{i}] must be a TreeConfig or None, got {type(t).__name__}")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
-        if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 0:
-            raise ValueError(f"speculation.probe must be an integer >= 0, got {self.probe!r}")
-        if isinstance(self.probe_max, bool) or not isinstance(self.probe_max, int) or self.probe_max < self.probe:
-            raise ValueError(f"speculation.probe_max must be an integer >= probe ({self.probe}), got {self.probe_max!r}")
-        for name in ("warmup", "cooldown"):
+
+        def count(name: str, lo: int):  # an integer >= lo (numpy's too), stored as an int
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "cooldown" else 0):
-                raise ValueError(f"speculation.{name} must be an integer >= {1 if name == 'cooldown' else 0}, got {v!r}")
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"speculation.{name} must be an integer >= {lo}, got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+        count("probe", 0)
+        count("probe_max", self.probe)
+        count("warmup", 0)
+        count("cooldown", 1)
+        count("min_tier", 0)
+        if self.max_tier is not None:
+            count("max_tier", 0)
         hi = len(tiers) - 1 if self.max_tier is None else self.max_tier
         if not 0 <= self.min_tier <= hi < len(tiers):
             raise ValueError(f"speculation: need 0 <= min_tier ({self.min_tier}) <= max_tier ({hi}) < {len(tiers)}")

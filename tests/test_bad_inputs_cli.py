@@ -80,6 +80,8 @@ CASES = [
     (["bench", "--num-prompts", "0"], ["--num-prompts"]),
     (["bench", "--temperature", "0", "-0.5"], ["--temperature", ">= 0"]),
     (["bench", "--tree", "60,7,10", "chain0"], ["--tree", "'chain0'"]),
+    (["bench", "--tree", "chainx"], ["--tree", "'chainx'", "chainN"]),
+    (["bench", "--tree", "chain4.0"], ["--tree", "'chain4.0'", "chainN"]),
     (["bench", "--json", "{tmp}"], ["--json", "is a directory"]),
     (["bench", "--json", "{tmp}/afile/out.json"], ["--json", "afile", "not a directory"]),
     (["bench", "--json", "{tmp}/r.json", "--figure", "{tmp}/afile/f.png"], ["--figure", "afile"]),

@@ -63,6 +63,12 @@ BAD = [
     ("stop-string", dict(stop_token_ids="5"), TypeError, "stop_token_ids"),
     ("stop-float", dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids[0]"),
     ("stop-out-of-vocab", dict(stop_token_ids=[10 ** 6]), ValueError, "stop_token_ids[0]"),
+    ("stop-0d-array", dict(stop_token_ids=np.array(5)), TypeError, "stop_token_ids"),
+    # a dict's or a set's order is not the prompts' (a dict was read as its keys: budgets 0, 1, ...)
+    ("thinking-budget-dict", dict(think_token_ids=(3, 4), thinking_budget={0: 8}), TypeError, "thinking_budget"),
+    ("thinking-budget-set", dict(think_token_ids=(3, 4), thinking_budget={8}), TypeError, "thinking_budget"),
+    ("end-thinking-0d-array", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids=np.array(4)), TypeError,
+     "end_thinking_ids"),
 ]
 
 
@@ -92,6 +98,7 @@ def test_prompt_containers_mean_the_same_prompts(pair):
         np.array([[5, 6, 7], [8, 9, 10]]),
         jnp.array([[5, 6, 7], [8, 9, 10]], jnp.int32),
         [[np.int64(5), np.int64(6), np.int64(7)], [np.int32(8), 9, 10]],
+        [[jnp.int32(5), 6, 7], [np.array(8), 9, 10]],
     ]
     for form in forms:
         got = decode._prepare(target, None, form, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
@@ -123,3 +130,35 @@ def test_first_token_is_timed_on_the_call_s_own_program(pair, monkeypatch):
     timed = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, time_first_token=True)
     assert timed.tokens == plain.tokens and len(decode._COMPILED) == 1
     assert 0 < timed.stats["first_token_seconds"] and "first_token_seconds" not in plain.stats
+
+
+def test_scalar_arguments_read_alike_as_python_numpy_or_jax_scalars(pair):
+    """0-d numpy and JAX arrays and numpy scalars are the numbers they hold, for every scalar
+    argument (a thinking budget too); a TreeConfig of numpy integers is the same tree."""
+    target, drafter = pair
+    think = dict(think_token_ids=(3, 4), end_thinking_ids=(4,))
+
+    def request(conv):
+        return decode._prepare(target, drafter, [[5, 6, 7], [8, 9]], max_new_tokens=conv(4), temperature=conv(0.5),
+                               top_p=conv(0.75), top_k=conv(5), tree=TreeConfig(conv(4), conv(1), conv(3)),
+                               seed=conv(3), stop_token_ids=[conv(7)], tokenizer=None, thinking_budget=conv(2), **think)
+
+    want = request(lambda x: x)
+    for conv in (np.asarray, lambda x: np.array(x)[()], jnp.asarray):
+        got = request(conv)
+        assert got.kw == want.kw and got.seed == want.seed
+        np.testing.assert_array_equal(got.budget_B, want.budget_B)
+    assert hash(TreeConfig(np.int64(4), 1, 3)) == hash(TreeConfig(4, 1, 3))
+    assert isinstance(TreeConfig(np.int64(4), 1, 3).total_tokens, int)
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda: TreeConfig(16, 4.0, 4), TypeError, "TreeConfig.depth"),
+    (lambda: TreeConfig("16", 4, 4), TypeError, "TreeConfig.total_tokens"),
+    (lambda: TreeConfig(16, 4, True), TypeError, "TreeConfig.top_k"),
+    (lambda: TreeConfig.chain(3.0), ValueError, "TreeConfig.chain"),
+    (lambda: TreeConfig.chain(0), ValueError, "TreeConfig.chain"),
+], ids=["float-depth", "string-total", "bool-top-k", "float-chain", "empty-chain"])
+def test_tree_budget_fields_must_be_integers(make, exc, words):
+    with pytest.raises(exc, match=words):  # not a shape error from deep inside the first compile
+        make()

@@ -110,6 +110,8 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
         slots.insert(2, prompts[1], max_new_tokens=8)
     with pytest.raises(ValueError, match="temperature"):
         slots.insert(1, prompts[1], max_new_tokens=8, temperature=-1.0)
+    with pytest.raises(TypeError, match="^prompt_ids: token ids must be integers"):  # the parameter's name
+        slots.insert(1, [[7, 8, 9]], max_new_tokens=8)
     with pytest.raises(ValueError, match="max_len"):
         Slots(target, None, num_slots=1, max_len=10 ** 6)
     with pytest.raises(ValueError, match="max_len=40 leaves no room"):

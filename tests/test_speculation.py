@@ -167,10 +167,20 @@ def test_adaptive_sampling_matches_the_target_distribution():
     (dict(tiers=(None,), policy="greedy"), ValueError, "policy"),
     (dict(tiers=(None,), cooldown=0), ValueError, "cooldown"),
     (dict(tiers=(None, TreeConfig.chain(2)), min_tier=2), ValueError, "min_tier"),
+    (dict(tiers=(None, TreeConfig.chain(2)), min_tier=0.5), ValueError, "min_tier must be an integer"),
+    (dict(tiers=(None, TreeConfig.chain(2)), max_tier=1.0), ValueError, "max_tier must be an integer"),
 ])
 def test_bad_speculation(kwargs, exc, words):
     with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
         Speculation(**kwargs)
+
+
+def test_speculation_takes_numpy_integers_as_ints():
+    spec = Speculation((None, TreeConfig.chain(2)), warmup=np.int64(1), cooldown=np.int32(3), min_tier=np.int64(0),
+                       max_tier=np.int64(1), probe=np.int64(4), probe_max=np.int64(8))
+    assert spec == Speculation((None, TreeConfig.chain(2)), warmup=1, cooldown=3, min_tier=0, max_tier=1, probe=4,
+                               probe_max=8)
+    assert all(type(getattr(spec, f)) is int for f in ("warmup", "cooldown", "min_tier", "max_tier", "probe", "probe_max"))
 
 
 def test_bad_round_ms_and_speculation_type(pair):

@@ -176,3 +176,42 @@ def test_bfloat16_weights_run_close_to_float32():
     assert b.dtype == jnp.float32 and fb.dtype == jnp.bfloat16
     assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.25 * np.abs(np.asarray(a)).max()
     assert (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).mean() > 0.5
+
+
+def test_low_level_calls_refuse_bad_input_clearly(golden_target):
+    """features / prefill / decode_step / tree_forward: non-integer ids are refused (not
+    truncated), as are ragged or empty inputs, positions past the model's context, a float
+    cache size, and a cache that an earlier call consumed (its buffers are donated)."""
+    t = golden_target
+    cases = [
+        (lambda: t.features(np.array([[1.7, 2.2, 3.9]])), TypeError, "input_ids: token ids must be integers"),
+        (lambda: t.features(np.array([[True, False]])), TypeError, "input_ids: token ids must be integers"),
+        (lambda: t.features([[]]), ValueError, "input_ids is empty"),
+        (lambda: t.features([[1, 2, 3], [4, 5]]), ValueError, "input_ids: expected a rectangular array"),
+        (lambda: t.features(np.ones((1, t.config.max_position_embeddings + 1), np.int32)), ValueError,
+         "exceed the target's max_position_embeddings"),
+        (lambda: t.prefill([[1, 2, 3]], [2.5], 16), TypeError, "lengths must be integers"),
+        (lambda: t.prefill([[1, 2, 3]], [3], 16.0), TypeError, "max_len must be an integer"),
+        (lambda: t.prefill([[1.0, 2.0]], [2], 16), TypeError, "tokens: token ids must be integers"),
+    ]
+    for call, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            call()
+    _, _, cache = t.prefill([[1, 2, 3]], [3], 16)
+    with pytest.raises(ValueError, match=r"tokens: token ids must be in \[0, 1024\)"):
+        t.decode_step(cache, [5000])
+    with pytest.raises(TypeError, match="tokens: token ids must be integers"):
+        t.decode_step(cache, [5.5])
+    with pytest.raises(TypeError, match="tokens: token ids must be integers"):
+        t.decode_step(cache, jnp.array([5.0]))
+    logits, _, fresh = t.decode_step(cache, jnp.array([5]))  # a device array (e.g. an argmax) is taken as is
+    for reuse in (lambda: t.decode_step(cache, [6]),
+                  lambda: t.tree_forward(cache, [[6]], np.zeros((1, 1), np.int32), np.ones((1, 1, 1), bool))):
+        with pytest.raises(ValueError, match="consumed by an earlier"):
+            reuse()
+    np.testing.assert_array_equal(np.asarray(fresh.lengths), [4])
+
+
+def test_load_drafter_needs_a_loaded_target():
+    with pytest.raises(TypeError, match="target: expected a loaded Target"):
+        eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=str(FIXTURES / "target_tiny"))

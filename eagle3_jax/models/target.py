@@ -152,6 +152,12 @@ class Target(nnx.Module):
         return jnp.einsum("...h,hv->...v", hidden_BxTxH, head, preferred_element_type=jnp.float32)
 
     # ------------------------------------------------------------------ helpers
+    def _check_positions(self, n: int, name: str):
+        """``ValueError`` naming ``name`` when ``n`` positions pass the model's context."""
+        if n > self.config.max_position_embeddings:
+            raise ValueError(f"{name}: {n} positions exceed the target's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache with room for ``max_len`` tokens per sequence."""
         cfg = self.config
@@ -170,23 +176,34 @@ class Target(nnx.Module):
 
         Returns ``(logits_BxTxV, features_BxTx3H, cache)`` with ``cache.lengths = lengths``.
         """
-        tokens = np.asarray(tokens_BxT)
-        lengths = np.asarray(lengths_B)
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens: expected [B, T], got shape {tokens.shape}")
+        tokens = _host_ids(tokens_BxT, "tokens")
+        lengths = _host_ids(lengths_B, "lengths")
+        if isinstance(max_len, (bool, np.bool_)) or not isinstance(max_len, (int, np.integer)):
+            raise TypeError(f"max_len must be an integer, got {type(max_len).__name__} {max_len!r}")
+        if tokens.ndim != 2 or not tokens.size:
+            raise ValueError(f"tokens: expected a non-empty [B, T], got shape {tokens.shape}")
+        if not np.issubdtype(lengths.dtype, np.integer):
+            raise TypeError(f"lengths must be integers, got dtype {lengths.dtype}")
         if lengths.shape != tokens.shape[:1]:
             raise ValueError(f"lengths: expected shape ({tokens.shape[0]},) to match tokens' batch, got {lengths.shape}")
         if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
             raise ValueError(f"lengths: each must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
         if tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit a cache of max_len={max_len}")
+        self._check_positions(tokens.shape[1], "tokens")
         check_token_ids(tokens, self.config.vocab_size, "tokens")
         cache = self.init_cache(tokens.shape[0], max_len)
         return _prefill_jit(*nnx.split(self), cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
     def decode_step(self, cache: KVCache, tokens_B):
-        """Appends one token per sequence (position = current length); returns ``(logits_BxV, features_Bx3H, cache)``."""
-        tokens = jnp.asarray(tokens_B, jnp.int32)
+        """Appends one token per sequence (position = current length); returns ``(logits_BxV, features_Bx3H, cache)``.
+
+        ``cache`` is consumed (its buffers are donated: the step writes it in place): pass the
+        returned cache to the next call.  The caller keeps every length below the cache's
+        ``max_len``: the lengths live on the device, so a step on a full cache is not checked
+        (``generate`` sizes its caches for the whole request)."""
+        _check_live(cache)
+        tokens = _token_arg(tokens_B, self.config.vocab_size, "tokens")
         if tokens.shape != (cache.batch,):
             raise ValueError(f"tokens: expected shape ({cache.batch},), got {tokens.shape}")
         return _decode_jit(*nnx.split(self), cache, tokens)
@@ -195,9 +212,11 @@ class Target(nnx.Module):
         """Runs a draft tree at positions ``lengths + depth`` under ``tree_mask`` (not committed).
 
         The new slots hold the tree's keys/values; :func:`eagle3_jax.kv_cache.commit`
-        keeps the accepted ones.  Returns ``(logits_BxNxV, features_BxNx3H, cache)``.
+        keeps the accepted ones.  Returns ``(logits_BxNxV, features_BxNx3H, cache)``; ``cache``
+        is consumed, as in :meth:`decode_step`.
         """
-        tokens = jnp.asarray(tokens_BxN, jnp.int32)
+        _check_live(cache)
+        tokens = _token_arg(tokens_BxN, self.config.vocab_size, "tokens")
         if tokens.shape[0] != cache.batch or depth_BxN.shape != tokens.shape or tree_mask_BxNxN.shape != tokens.shape + tokens.shape[-1:]:
             raise ValueError(f"tree_forward: tokens {tokens.shape}, depth {depth_BxN.shape} and mask "
                              f"{tree_mask_BxNxN.shape} must be [B, N], [B, N], [B, N, N] with B={cache.batch}")
@@ -209,11 +228,14 @@ class Target(nnx.Module):
         Returns ``(logits, features)``: float32 logits ``[..., T, V]`` and the fused
         EAGLE-3 features ``[..., T, 3H]`` (inputs of the captured layers, low first).
         """
-        ids = np.asarray(input_ids)
+        ids = _host_ids(input_ids, "input_ids")
         squeeze = ids.ndim == 1
         ids = ids[None] if squeeze else ids
         if ids.ndim != 2:
             raise ValueError(f"input_ids: expected [T] or [B, T], got shape {ids.shape}")
+        if not ids.size:
+            raise ValueError(f"input_ids is empty (shape {ids.shape})")
+        self._check_positions(ids.shape[1], "input_ids")
         check_token_ids(ids, self.config.vocab_size, "input_ids")
         logits, feats = _features_jit(*nnx.split(self), jnp.asarray(ids, jnp.int32))
         return (logits[0], feats[0]) if squeeze else (logits, feats)
@@ -247,5 +269,35 @@ def _tree_jit(graphdef, state, cache, tokens_BxN, depth_BxN, mask_BxNxN):
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, name: str):
+    """``ValueError`` / ``TypeError`` naming ``name`` unless every id is an integer in ``[0, vocab_size)``."""
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):  # floats would be truncated, booleans read as 0/1
+        raise TypeError(f"{name}: token ids must be integers, got dtype {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got range [{ids.min()}, {ids.max()}]")
+
+
+def _host_ids(x, name: str) -> np.ndarray:
+    """``x`` as a numpy array; a ragged nesting is a ``ValueError`` naming ``name``."""
+    try:
+        return np.asarray(x)
+    except ValueError:
+        raise ValueError(f"{name}: expected a rectangular array of integers (rows of one length)") from None
+
+
+def _token_arg(x, vocab_size: int, name: str) -> jax.Array:
+    """Token ids for a step as int32: host data checked like a prompt's ids; a device array
+    (e.g. the previous step's argmax) checked for an integer dtype only (its values would
+    need a transfer)."""
+    if isinstance(x, jax.Array):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}: token ids must be integers, got dtype {x.dtype}")
+        return x.astype(jnp.int32)
+    ids = _host_ids(x, name)
+    check_token_ids(ids, vocab_size, name)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _check_live(cache: KVCache):
+    if any(a.is_deleted() for a in (cache.k, cache.v, cache.lengths) if isinstance(a, jax.Array)):
+        raise ValueError("cache: this cache was consumed by an earlier prefill/decode_step/tree_forward call (its "
+                         "buffers are donated and written in place); pass the cache that call returned")
