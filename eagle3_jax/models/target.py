@@ -298,6 +298,9 @@ def _token_arg(x, vocab_size: int, name: str) -> jax.Array:
 
 
 def _check_live(cache: KVCache):
-    if any(a.is_deleted() for a in (cache.k, cache.v, cache.lengths) if isinstance(a, jax.Array)):
+    """``ValueError`` when ``cache``'s buffers were donated to an earlier call (under a trace,
+    as inside a caller's ``jit``, there are no buffers to check)."""
+    arrays = (cache.k, cache.v, cache.lengths)
+    if any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted() for a in arrays):
         raise ValueError("cache: this cache was consumed by an earlier prefill/decode_step/tree_forward call (its "
                          "buffers are donated and written in place); pass the cache that call returned")
