@@ -34,6 +34,23 @@ MAX_CONFIG_BYTES = 16 << 20
 _REQUIRED = object()
 
 
+def host_scalar(value):
+    """A 0-d numpy or JAX array as its numpy scalar (``np.array(5)``, ``jnp.int32(5)`` and
+    ``np.int32(5)`` read alike); anything else as it is."""
+    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)) and np.ndim(value) == 0:
+        return np.asarray(value)[()]
+    return value
+
+
+def integer(value) -> int | None:
+    """``value`` as an ``int`` when it is an integer argument (a Python or numpy integer, or a
+    0-d array of one; not a bool), else ``None``."""
+    value = host_scalar(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
 def _show(value) -> str:
     return reprlib.repr(value)
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from eagle3_jax import budget, kv_cache, sharding
 from eagle3_jax import speculation as policy
+from eagle3_jax.config import host_scalar, integer
 from eagle3_jax.models.drafter import declare as declare_drafter
 from eagle3_jax.models.target import check_token_ids
 from eagle3_jax.models.target import declare as declare_target
@@ -541,30 +542,21 @@ def _bucket(n: int, base: int = 32) -> int:
 MIN_TEMPERATURE = 1e-3
 
 
-def _host_scalar(x):
-    """A 0-d numpy or JAX array as its numpy scalar (``np.array(5)``, ``jnp.int32(5)`` and
-    ``np.int32(5)`` read alike); anything else as it is."""
-    if isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 0:
-        return np.asarray(x)[()]
-    return x
-
-
 def _is_int(x) -> bool:
-    x = _host_scalar(x)
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    return integer(x) is not None
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
-    value = _host_scalar(value)
-    if not _is_int(value):
+    n = integer(value)
+    if n is None:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value >= hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {value}")
-    return int(value)
+    if n < lo or (hi is not None and n >= hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {n}")
+    return n
 
 
 def _float_arg(name: str, value) -> float:
-    value = _host_scalar(value)
+    value = host_scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not np.isfinite(value):

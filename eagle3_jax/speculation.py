@@ -33,8 +33,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from eagle3_jax.config import integer
 from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
@@ -76,9 +76,9 @@ class Speculation:
 
         def count(name: str, lo: int):  # an integer >= lo (numpy's too), stored as an int
             v = getattr(self, name)
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
+            if integer(v) is None or integer(v) < lo:
                 raise ValueError(f"speculation.{name} must be an integer >= {lo}, got {v!r}")
-            object.__setattr__(self, name, int(v))
+            object.__setattr__(self, name, integer(v))
 
         count("probe", 0)
         count("probe_max", self.probe)

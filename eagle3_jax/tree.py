@@ -15,8 +15,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from eagle3_jax.config import integer
 from eagle3_jax.kv_cache import KVCache
 
 
@@ -33,11 +33,9 @@ class TreeConfig:
     def __post_init__(self):
         for name in ("total_tokens", "depth", "top_k"):
             v = getattr(self, name)
-            if isinstance(v, (np.ndarray, jax.Array)) and np.ndim(v) == 0:
-                v = np.asarray(v)[()]  # a 0-d array: the number it holds
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            if integer(v) is None:
                 raise TypeError(f"TreeConfig.{name} must be an integer, got {type(v).__name__} {v!r}")
-            object.__setattr__(self, name, int(v))  # numpy integers as ints: one hash, one compiled program
+            object.__setattr__(self, name, integer(v))  # numpy integers as ints: one hash, one compiled program
         if self.total_tokens < 2 or self.depth < 0 or self.top_k < 1:
             raise ValueError(f"{self}: need total_tokens >= 2, depth >= 0, top_k >= 1")
         if self.total_tokens - 1 > self.num_candidates:
@@ -46,8 +44,9 @@ class TreeConfig:
 
     @classmethod
     def chain(cls, n: int) -> "TreeConfig":
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+        if integer(n) is None or integer(n) < 1:
             raise ValueError(f"TreeConfig.chain: the chain's length must be an integer >= 1, got {n!r}")
+        n = integer(n)
         return cls(total_tokens=n + 1, depth=n - 1, top_k=1)
 
     @property

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3_jax import layers
-from eagle3_jax.config import RopeConfig, TargetConfig
+from eagle3_jax.config import RopeConfig, TargetConfig, integer
 from eagle3_jax.kv_cache import KVCache, advance, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, normal, ones, zeros
 
@@ -178,8 +178,9 @@ class Target(nnx.Module):
         """
         tokens = _host_ids(tokens_BxT, "tokens")
         lengths = _host_ids(lengths_B, "lengths")
-        if isinstance(max_len, (bool, np.bool_)) or not isinstance(max_len, (int, np.integer)):
+        if integer(max_len) is None:
             raise TypeError(f"max_len must be an integer, got {type(max_len).__name__} {max_len!r}")
+        max_len = integer(max_len)
         if tokens.ndim != 2 or not tokens.size:
             raise ValueError(f"tokens: expected a non-empty [B, T], got shape {tokens.shape}")
         if not np.issubdtype(lengths.dtype, np.integer):
