@@ -533,22 +533,25 @@ def _replicated(value, mesh):
     return value if mesh is None else jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def _param_shardings(decl, path: Path, mesh, rules, shardings) -> dict:
-    """The per-parameter shardings of a load: from ``mesh`` and ``rules``, or given."""
+def _param_shardings(decl, path: Path, mesh, rules, shardings) -> tuple:
+    """``(mesh, shardings)`` of a load: the mesh as its Auto twin (``sharding.auto_mesh``, for
+    every array the load places on it) and the per-parameter shardings from it and ``rules``,
+    or given."""
     if mesh is not None and shardings is not None:
         raise ValueError("pass mesh= (with optional rules=) or shardings=, not both")
     if rules is not None and mesh is None:
         raise ValueError("rules= needs mesh=")
     if mesh is not None:
+        mesh = auto_mesh(mesh)
         try:
-            return decl.shardings(auto_mesh(mesh), rules)
+            return mesh, decl.shardings(mesh, rules)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     shardings = dict(shardings or {})
     unknown = sorted(set(shardings) - {n for n, _ in decl.present()})
     if unknown:
         raise ValueError(f"shardings: no parameter named {', '.join(map(repr, unknown))} in {path}")
-    return shardings
+    return None, shardings
 
 
 def _fetch_ids(source, name: str, length: int, kinds: str) -> np.ndarray:
@@ -607,7 +610,7 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
                          f"{sorted(DTYPES)}; pass dtype= to choose one")
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     decl = declare(cfg)
-    shardings = _param_shardings(decl, path, mesh, rules, shardings)
+    mesh, shardings = _param_shardings(decl, path, mesh, rules, shardings)
     source = open_weights(path)
     model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
     for name, info in decl.present():
@@ -688,7 +691,7 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     raw = read_config_json(path)
     cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
     decl = declare(cfg)
-    shardings = _param_shardings(decl, path, mesh, rules, None)
+    mesh, shardings = _param_shardings(decl, path, mesh, rules, None)
     source = _Renamed(open_weights(path))
     dtype = resolve_dtype(dtype, "float32" if target is None else jnp.dtype(target.dtype).name)
     if target is not None:

@@ -37,9 +37,9 @@ _REQUIRED = object()
 def host_scalar(value):
     """A 0-d numpy or JAX array as its numpy scalar (``np.array(5)``, ``jnp.int32(5)`` and
     ``np.int32(5)`` read alike); anything else as it is."""
-    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)) and np.ndim(value) == 0:
-        return np.asarray(value)[()]
-    return value
+    if isinstance(value, np.generic) or not hasattr(value, "__array__"):
+        return value  # numpy scalars (a prompt's ids, often) and plain Python values: no conversion
+    return np.asarray(value)[()] if np.ndim(value) == 0 else value
 
 
 def integer(value) -> int | None:

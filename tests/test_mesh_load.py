@@ -132,6 +132,8 @@ def test_a_mesh_with_explicit_axes_loads_and_decodes_as_an_auto_one():
     ref = eagle3_jax.load_target(FIXTURES / "target_tiny")
     target = eagle3_jax.load_target(FIXTURES / "target_tiny", mesh=explicit)
     assert target.wq[...].sharding.mesh == auto
+    assert target.inv_freq[...].sharding.mesh == auto  # every array the load places, not only the parameters
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     want = eagle3_jax.generate(ref, None, prompts, max_new_tokens=6).tokens
     assert eagle3_jax.generate(target, None, prompts, max_new_tokens=6, mesh=explicit).tokens == want
+    assert eagle3_jax.generate(target, None, prompts, max_new_tokens=6).tokens == want  # no mesh= at the call
