@@ -1,7 +1,7 @@
 """Vanilla vs EAGLE-3 in one process, on the same prompts and settings.
 
-Speedup is a ratio measured in one run (compilation excluded from both timings);
-greedy token identity is checked on every prompt.
+Speedup is a ratio measured in one run (compilation and each program's first run excluded
+from both timings); greedy token identity is checked on every prompt.
 """
 
 from __future__ import annotations
@@ -117,8 +117,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
               log=print) -> dict:
     """Runs vanilla and EAGLE-3 per tree budget (a ``TreeConfig``, or a ``Speculation`` of
     tiers with its policy, reported as ``adaptive``) on the same prompts (each timed as the
-    fastest of ``repeats`` passes, compilation excluded; the passes interleave the modes batch
-    by batch); returns a JSON-able report.
+    fastest of ``repeats`` passes, compilation and each program's first run excluded:
+    ``generate``'s ``warm_up``; the passes interleave the modes batch by batch); returns a
+    JSON-able report.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
     ``categories[i]``: prompt ``i``'s category (e.g. a task family): every figure (τ,
@@ -149,7 +150,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             for m in ((k + r) % len(modes) for k in range(len(modes))):
                 drafter_, tree = modes[m]
                 out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
-                               speculation=tree, **sampling, **(generate_kw or {}))
+                               speculation=tree, warm_up=True, **sampling, **(generate_kw or {}))
                 fastest[m, c] = min(fastest.get((m, c), math.inf), out.stats["seconds"])
                 if r == 0:
                     tokens, _, stats = results[m]

@@ -17,9 +17,9 @@ category is measured, not apportioned).
 
 ``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
 ``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
-over B × K).  Latencies are per request at the given batch size, compilation excluded; TTFT
-is the request's own compiled program stopped after the prefill (its first token), timed just
-before the full call.
+over B × K).  Latencies are per request at the given batch size, compilation and each
+program's first run excluded (``generate``'s ``warm_up``); TTFT is the request's own compiled
+program stopped after the prefill (its first token), timed just before the full call.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _run(target, drafter, prompts, groups, *, budget, mode, batch_size, max_new_
         for j in range(0, len(idx), batch_size):
             ids = idx[j:j + batch_size]
             chunk = [prompts[i] for i in ids]
-            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, time_first_token=True, **kw)
+            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, time_first_token=True, warm_up=True, **kw)
             for k, i in enumerate(ids):
                 out["tokens"][i], out["thinking"][i] = res.tokens[k], res.thinking_tokens[k]
                 out["answer"][i], out["status"][i] = res.answer_tokens[k], res.thinking_status[k]

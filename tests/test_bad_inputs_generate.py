@@ -132,6 +132,24 @@ def test_first_token_is_timed_on_the_call_s_own_program(pair, monkeypatch):
     assert 0 < timed.stats["first_token_seconds"] and "first_token_seconds" not in plain.stats
 
 
+def test_warm_up_runs_a_program_once_before_its_first_timed_call(pair, monkeypatch):
+    """``warm_up`` runs the call's own program untimed only if it has not run in this process
+    (by an earlier warm-up or any ``generate``); the tokens are the same either way, and a
+    program dropped from the cache of compiled loops is warmed again."""
+    target, drafter = pair
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    monkeypatch.setattr(decode, "_RAN", set())
+    first = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True)
+    again = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True)
+    plain = eagle3_jax.generate(target, None, OK, max_new_tokens=6)  # vanilla's program: run, not warmed
+    after = eagle3_jax.generate(target, None, OK, max_new_tokens=6, warm_up=True)
+    assert first.stats["warm_up_seconds"] > 0 and again.stats["warm_up_seconds"] is None
+    assert after.stats["warm_up_seconds"] is None and "warm_up_seconds" not in plain.stats
+    assert first.tokens == again.tokens and plain.tokens == after.tokens and len(decode._COMPILED) == 2
+    decode.clear_compiled()
+    assert eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True).stats["warm_up_seconds"] > 0
+
+
 def test_scalar_arguments_read_alike_as_python_numpy_or_jax_scalars(pair):
     """0-d numpy and JAX arrays and numpy scalars are the numbers they hold, for every scalar
     argument (a thinking budget too); a TreeConfig of numpy integers is the same tree."""

@@ -155,11 +155,13 @@ def test_bench_batch_larger_than_a_category_takes_the_prompts_in_order(tiny_pair
 
 def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypatch):
     """Each pass runs every mode on a batch before the next batch, in an order that rotates
-    per pass, and a mode's seconds are the sum over batches of its fastest pass."""
+    per pass, and a mode's seconds are the sum over batches of its fastest pass; every call
+    asks for its program's first run untimed."""
     calls = []
 
     def fake_generate(target, drafter, prompts, *, speculation=None, **kw):
         mode = "vanilla" if drafter is None else "chain2"
+        assert kw["warm_up"] is True  # each program's first run untimed
         calls.append((mode, prompts[0][0]))
         seconds = {0: 5.0, 1: 2.0, 2: 3.0}[(len(calls) - 1) // 4]  # pass 0 slow, pass 1 fastest, pass 2 between
         return SimpleNamespace(tokens=[[7, 8]] * len(prompts),
