@@ -42,9 +42,10 @@ class GenerateResult:
     (those rounds' counts),
     ``proposed`` / ``accepted`` / ``committed`` token counts, ``new_tokens``,
     ``forced_rounds``, ``seconds`` and ``tokens_per_second`` (wall clock, compilation
-    excluded), ``first_token_seconds`` / ``warm_up_seconds`` when asked for; with a drafter, ``tier_per_round`` / ``tier_rounds`` (the speculation tier
-    each round ran); with a thinking phase, ``phases`` holds the round statistics and committed
-    tokens of the ``thinking`` and ``answer`` phases (they sum to the totals).
+    excluded), ``first_token_seconds`` / ``warm_up_seconds`` when asked for; with a drafter,
+    ``tier_per_round`` / ``tier_rounds`` (the speculation tier each round ran); with a
+    thinking phase, ``phases`` holds the round statistics and committed tokens of the
+    ``thinking`` and ``answer`` phases (they sum to the totals).
 
     Per sequence: ``thinking_tokens`` / ``answer_tokens`` (summing to its length),
     ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
