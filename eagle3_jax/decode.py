@@ -926,8 +926,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         it once untimed before the timed call (``stats["warm_up_seconds"]``; ``None`` when it
         had run).  A program's first run pays one-time costs besides its compilation (on
         XLA:CPU the first touches of its fresh buffers and the first execution of each fused
-        dot: 0.3–0.9 s more for a batch-32 EAGLE-3 loop of the built-in pair, 25–40 ms at
-        batch 1), which a steady-state timing leaves out.  The timed call's output is the
+        dot; for the built-in pair on 2 CPU cores, 0.3–0.9 s more for a batch-32 EAGLE-3
+        loop, 25–40 ms at batch 1), which a steady-state timing leaves out.  The timed call's output is the
         same.{thinking}
     Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
     ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
