@@ -180,25 +180,29 @@ def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not B
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pick_kernel(dtype, head_dim: int, interpret: str | None = None):
+def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: int = 1):
     """The kernel ``attention`` runs for ``dtype`` inputs, or ``None`` for the XLA reference.
 
     ``interpret=None`` picks by the default device: the Mosaic TPU kernel on a TPU, the
-    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32) and
-    head_dim 64/128.  ``interpret="tpu"`` / ``"gpu"`` returns that kernel in its CPU
-    interpreter.
+    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32),
+    head_dim 64/128 and at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or
+    a decode step; a prefill does not fit its shared memory).  ``interpret="tpu"`` / ``"gpu"``
+    returns that kernel in its CPU interpreter, the GPU one under the same rule as on a GPU
+    (else ``None``).
     """
     from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu  # here: it imports this module
 
     if interpret not in (None, "tpu", "gpu"):
         raise ValueError(f"interpret={interpret!r}: expected None, 'tpu' or 'gpu'")
-    if interpret is not None:
-        kernel = tree_attention if interpret == "tpu" else mgpu.tree_attention_mgpu
-        return functools.partial(kernel, interpret=True)
+    if interpret == "tpu":
+        return functools.partial(tree_attention, interpret=True)
+    if interpret == "gpu":
+        return functools.partial(mgpu.tree_attention_mgpu, interpret=True) if mgpu.supports(dtype, head_dim, new_tokens) \
+            else None
     device = jax.devices()[0]
     if device.platform == "tpu":
         return tree_attention
-    if _is_hopper(device) and mgpu.supports(dtype, head_dim):
+    if _is_hopper(device) and mgpu.supports(dtype, head_dim, new_tokens):
         return mgpu.tree_attention_mgpu
     return None
 
@@ -206,5 +210,5 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None):
 def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, layer=None,
               interpret: str | None = None):
     """Dispatcher: the kernel ``pick_kernel`` chooses for ``q``, else the XLA reference."""
-    kernel = pick_kernel(q.dtype, q.shape[-1], interpret) or tree_attention_ref
+    kernel = pick_kernel(q.dtype, q.shape[-1], interpret, new_tokens=q.shape[1]) or tree_attention_ref
     return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale, layer=layer)

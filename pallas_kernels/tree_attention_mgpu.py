@@ -50,15 +50,20 @@ BLOCK_Q = 64  # one warpgroup's WGMMA M tile
 MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # SMEM holds a 4-deep K/V pipeline of 64-slot blocks up to D = 128
+# the new keys/values and their bias are one SMEM block: 2·T_pad·D 16-bit + 64·T_pad f32, double
+# buffered, beside the Q/O tiles (48 KiB at D = 128): T_pad = 64 fits the 227 KiB a block may
+# have, 128 does not; longer runs (a prefill) go to the XLA reference (``supports``)
+MAX_NEW = 64
 
 
 def _is_16bit(dtype) -> bool:
     return jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
 
 
-def supports(dtype, head_dim: int) -> bool:
-    """Whether the kernel takes ``dtype`` inputs with this head_dim."""
-    return _is_16bit(dtype) and head_dim in HEAD_DIMS
+def supports(dtype, head_dim: int, new_tokens: int = 1) -> bool:
+    """Whether the kernel takes ``dtype`` inputs with this head_dim and ``new_tokens`` new
+    (tree) tokens per sequence (at most ``MAX_NEW``: a tree or a decode step, not a prefill)."""
+    return _is_16bit(dtype) and head_dim in HEAD_DIMS and new_tokens <= MAX_NEW
 
 
 def _num_sms() -> int:
@@ -215,6 +220,9 @@ def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD
     if D not in HEAD_DIMS or N % K:
         raise ValueError(f"tree_attention_mgpu: head_dim {D} must be one of {HEAD_DIMS} and heads {N} a multiple "
                          f"of kv heads {K}")
+    if T > MAX_NEW:
+        raise ValueError(f"tree_attention_mgpu: {T} new tokens per sequence; at most {MAX_NEW} fit its shared "
+                         f"memory (a prefill goes to tree_attention_ref: see supports)")
     kc, vc, layer = stacked_cache(k_cache, v_cache, layer, block_kv)
     S = kc.shape[2]
     R = G * T

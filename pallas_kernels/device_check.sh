@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every part of device_check.py on the accelerator, each in its own process with a time limit,
+# its results in OUT_DIR/PART.json and everything printed in OUT_DIR/log.txt.  Runs from the
+# source tree (no install): the package layout pyproject.toml declares is assembled under /tmp.
+# DEVICE_CHECK_SMOKE=1: the tiny CPU versions (see device_check.py).
+#   pallas_kernels/device_check.sh OUT_DIR [PART ...]     (default: every part, ~7 minutes on an H200)
+set -uo pipefail
+out=${1:?usage: device_check.sh OUT_DIR [PART ...]}
+shift
+parts=("${@:-kernels bench llama8b builtin step}")
+read -r -a parts <<< "${parts[*]}"
+declare -A limit=([kernels]=75 [bench]=75 [llama8b]=170 [builtin]=100 [step]=30)
+root=$(cd "$(dirname "$0")/.." && pwd)
+src=$(mktemp -d)
+cp -r "$root/eagle3_jax" "$src/"
+for sub in train serve pallas_kernels; do cp -r "$root/$sub" "$src/eagle3_jax/$sub"; done
+export PYTHONPATH="$src" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null
+  for part in "${parts[@]}"; do
+    echo "=== $part (limit ${limit[$part]:-120} s)"
+    timeout -s INT -k 10 "${limit[$part]:-120}" python3 -m eagle3_jax.pallas_kernels.device_check "$part" --out "$out" \
+      ${DEVICE_CHECK_SMOKE:+--smoke}
+    echo "=== $part: exit $?"
+  done
+  date -u
+} 2>&1 | tee "$out/log.txt"
