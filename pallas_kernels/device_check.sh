@@ -16,6 +16,8 @@ cp -r "$root/eagle3_jax" "$src/"
 for sub in train serve pallas_kernels; do cp -r "$root/$sub" "$src/eagle3_jax/$sub"; done
 export PYTHONPATH="$src" PYTHONUNBUFFERED=1
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$src"  # python -m puts the working directory first on sys.path: not the unassembled tree
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null
