@@ -57,6 +57,21 @@ def storage_dtype(dtype, attention_impl: str = "xla"):
     return dtype
 
 
+KERNEL_SLOTS = 128  # a multiple of both kernels' cache blocks (Mosaic GPU 64, Mosaic TPU 128)
+
+
+def capacity(max_len: int, attention_impl: str = "xla") -> int:
+    """The slots a cache for ``max_len`` tokens has: ``max_len`` itself, rounded up to a
+    multiple of :data:`KERNEL_SLOTS` where a Pallas kernel reads it (``attention_impl``
+    ``pallas*``).  Mosaic GPU in jax 0.11.2 failed layout inference on a cache whose length
+    is not a multiple of the kernel's block (H200: caches of 150 and 1193 slots failed,
+    1024 to 4096 compiled and matched the reference); the slots past ``max_len`` are never
+    written or visible."""
+    if attention_impl.startswith("pallas"):
+        return -(-max_len // KERNEL_SLOTS) * KERNEL_SLOTS
+    return max_len
+
+
 def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of ``[num_layers, batch, max_len, num_kv_heads, head_dim]`` ``dtype``
     keys and values (a model's :func:`storage_dtype`).

@@ -79,13 +79,28 @@ def attention_ref(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float):
 # small next to its work, small enough that a short prefix reads little past its end
 # (`eagle3-jax bench --cost` on 2 CPU cores: 64 beat 128 and 256 at batch 32, tied at batch 1).
 PREFIX_BLOCK = 64
+# On a GPU a step of the walk costs far more than its bytes: on an H200 (jax 0.11.2, batch 1,
+# 8 KV heads of 128, bfloat16, 16 new tokens) the walk took 0.57 ms over 1024 slots (16 steps)
+# and 1.59 ms over 4096 (64 steps), ~21 µs a step, against 0.14 ms for one pass over all 4096
+# (pallas_kernels/device_check.sh, `bench` part).  21 µs is the time HBM (4.8 TB/s) reads
+# ~100 MB in, so there a step takes that many bytes of keys and values: a step's overhead
+# then costs at most what its bytes do, and a cache of fewer bytes is read in one pass.
+GPU_BLOCK_BYTES = 96 * 2 ** 20
+
+
+def prefix_block(batch: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Cache slots per step of the prefix walk on the default backend: :data:`PREFIX_BLOCK`,
+    or on a GPU as many as hold :data:`GPU_BLOCK_BYTES` of keys and values."""
+    if jax.default_backend() != "gpu":
+        return PREFIX_BLOCK
+    return max(PREFIX_BLOCK, GPU_BLOCK_BYTES // (2 * batch * kv_heads * head_dim * itemsize))
 
 
 def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, region_mask_BxTxR, *,
               scale: float, region_kv=None, block: int | None = None):
     """Attention of ``T`` new queries over the committed prefix plus the region, computed
     blockwise: the cost follows the longest prefix in the batch (rounded up to ``block``
-    slots), not the cache's capacity.
+    slots, by default :func:`prefix_block`'s), not the cache's capacity.
 
     ``kv`` is the stacked ``(k_LxBxSxKxD, v_LxBxSxKxD)`` cache (read only: slots
     ``[0, prefix_len[b])`` of ``layer``) or ``None`` (no prefix).  The region is ``region_kv``
@@ -125,9 +140,9 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
     state = update(state, scores(k_reg, mask_BxTxR[:, None, :, None]), v_reg)
     if kv is not None:
         S = kv[0].shape[2]
-        blk = min(block or PREFIX_BLOCK, S)
+        blk = min(block or prefix_block(B, K, D, kv[0].dtype.itemsize), S)
 
-        def prefix_block(j, state):
+        def walk_step(j, state):
             start = jnp.minimum(j * blk, S - blk)  # the last block ends at the cache's end
             at = (layer, 0, start, 0, 0)
             size = (1, B, blk) + kv[0].shape[3:]
@@ -137,8 +152,11 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
             visible_BxS = (slot[None] >= j * blk) & (slot[None] < prefix_len_B[:, None])  # not the previous block's
             return update(state, scores(k_blk, visible_BxS[:, None, None, None]), v_blk)
 
-        n_blocks = (jnp.max(prefix_len_B) + blk - 1) // blk
-        state = jax.lax.fori_loop(0, n_blocks, prefix_block, state)
+        if blk == S:  # one pass over the whole cache, no loop
+            state = walk_step(0, state)
+        else:
+            n_blocks = (jnp.max(prefix_len_B) + blk - 1) // blk
+            state = jax.lax.fori_loop(0, n_blocks, walk_step, state)
     _, l, acc = state
     out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)  # [B, K, T, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, N, D).astype(q_BxTxNxD.dtype)

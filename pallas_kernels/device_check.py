@@ -8,10 +8,11 @@ Parts, each writing ``OUT_DIR/PART.json`` (what ran, what broke, the figures):
 * ``kernels``: the compiled kernel (not its interpreter) against ``tree_attention_ref`` over
   the test grid (bfloat16/float16; batch 1/3; GQA 1/4/8; head_dim 64/128; tree 1/7/60;
   prefixes 0, around a block, not a multiple of one, the full cache; 2 splits and the
-  default), a stacked cache read at one layer, and how many new tokens fit its shared memory.
+  default; caches of 256 and 1024 slots, and of 150, which jax 0.11.2 failed to compile), a
+  stacked cache read at one layer, and how many new tokens fit its shared memory.
 * ``bench``: kernel vs ``tree_attention_ref`` vs the XLA path's blocked attention
-  (``layers.attention``) time, and the kernel's achieved HBM bandwidth, for cache 1k–32k,
-  tree 16/64, batch 1/8/32.
+  (``layers.attention``) time, and the kernel's achieved HBM bandwidth, for cache 1k/8k/32k,
+  tree 16/64, batch 1/32.
 * ``builtin``: the built-in pair in bfloat16, greedy, ``attention_impl`` xla and pallas:
   token identity (EAGLE-3 vs vanilla for each, and pallas vs xla), then ``bench.run_bench``
   at batch 1 and 32 (tokens/s, τ, speedup).
@@ -93,12 +94,13 @@ def part_kernels(smoke: bool) -> dict:
             (3, 8, 128, 7, "chain"), (1, 4, 64, 60, "chain"), (3, 4, 64, 1, "full"), (3, 8, 128, 60, "random")]
     # (dtype, cache length, splits): bfloat16 with 2 splits on a short cache (the second split
     # empty for short prefixes), and each dtype with the default splits on a longer one
-    variants = [("bfloat16", 150, 2)] if smoke else [("bfloat16", 150, 2), ("bfloat16", 1000, None),
-                                                      ("float16", 1000, None)]
+    # (the cache lengths are multiples of 128 slots, as kv_cache.capacity makes them for a kernel)
+    variants = [("bfloat16", 256, 2)] if smoke else [("bfloat16", 256, 2), ("bfloat16", 1024, None),
+                                                      ("float16", 1024, None), ("bfloat16", 150, 2)]
     cases = [dict(B=B, gqa=gqa, D=D, T=T, mask=kind, dtype=dtype, S=S, splits=splits, seed=i)
              for i, ((B, gqa, D, T, kind), (dtype, S, splits)) in enumerate(
                  (c, v) for c in grid[: 2 if smoke else None] for v in variants)]
-    cases.append(dict(B=3, gqa=4, D=64, T=7, mask="random", dtype="bfloat16", S=300, splits=None, seed=99, layers=3))
+    cases.append(dict(B=3, gqa=4, D=64, T=7, mask="random", dtype="bfloat16", S=384, splits=None, seed=99, layers=3))
     rows = []
     for c in cases:
         args = _case(c["B"], c["gqa"], c["D"], c["T"], c["mask"], jnp.dtype(c["dtype"]), c["S"], seed=c["seed"],
@@ -107,12 +109,12 @@ def part_kernels(smoke: bool) -> dict:
         if c.get("layers"):
             layer = jnp.int32(1)
         row = dict(c)
-        try:
+        try:  # the reference first: on the H200 a failed kernel compile once broke the next XLA one
+            want = jax.block_until_ready(tree_attention_ref(*args, scale=c["D"] ** -0.5, layer=layer))
             t0 = time.perf_counter()
             got = jax.block_until_ready(tree_attention_mgpu(*args, scale=c["D"] ** -0.5, layer=layer,
                                                             splits=c["splits"], interpret=interpret))
             row["first_call_s"] = time.perf_counter() - t0
-            want = tree_attention_ref(*args, scale=c["D"] ** -0.5, layer=layer)
             row["max_abs_err"], row["max_abs_ref"] = _err(got, want)
             row["ok"] = row["max_abs_err"] <= 2e-2 * max(1.0, row["max_abs_ref"])
         except Exception as e:  # noqa: BLE001 - a case that breaks is a finding, not the end of the run
@@ -149,7 +151,7 @@ def part_bench(smoke: bool) -> dict:
     if smoke:
         return bench.run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret="gpu", reps=1,
                          xla_path=layers.attention)
-    return bench.run([1024, 4096, 16384, 32768], [16, 64], [1, 8, 32], reps=10, xla_path=layers.attention)
+    return bench.run([1024, 8192, 32768], [16, 64], [1, 32], reps=10, xla_path=layers.attention)
 
 
 def part_builtin(smoke: bool) -> dict:

@@ -77,6 +77,26 @@ def test_region_kv_and_bfloat16():
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=3e-2)
 
 
+def test_prefix_block_by_backend(monkeypatch):
+    """64-slot steps on the CPU; on a GPU steps of GPU_BLOCK_BYTES of keys and values (a step
+    there costs ~21 µs whatever it reads), so that a small cache is read in one pass."""
+    assert layers.prefix_block(1, 8, 128, 2) == layers.PREFIX_BLOCK  # this machine: the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.prefix_block(1, 8, 128, 2) == layers.GPU_BLOCK_BYTES // (2 * 8 * 128 * 2) == 24576
+    assert layers.prefix_block(32, 8, 128, 2) == 768
+    assert layers.prefix_block(4096, 8, 128, 4) == layers.PREFIX_BLOCK  # never below it
+    # one pass, no loop: a block as large as the cache (the result as the reference's)
+    k_cache, v_cache, q, k_new, v_new, mask, prefix = _case(0, 2, 3, 4, 2, 16, 120, [100, 7])
+    k_cache = jnp.pad(k_cache, ((0, 0), (0, 0), (0, 3), (0, 0), (0, 0)))
+    v_cache = jnp.pad(v_cache, ((0, 0), (0, 0), (0, 3), (0, 0), (0, 0)))
+    jaxpr = str(jax.make_jaxpr(lambda *a: layers.attention(*a, scale=0.25))(q, (k_cache, v_cache), 1, prefix, k_new,
+                                                                           v_new, mask))
+    assert "while" not in jaxpr
+    out = layers.attention(q, (k_cache, v_cache), 1, prefix, k_new, v_new, mask, scale=0.25)
+    np.testing.assert_allclose(out, _reference(q, k_cache, v_cache, 1, prefix, k_new, v_new, mask), atol=2e-5,
+                               rtol=2e-5)
+
+
 def test_cost_follows_the_live_prefix_not_the_capacity():
     """The compiled prefix walk reads `block`-slot windows, never a whole cache layer."""
     B, T, N, K, D, S = 1, 1, 2, 1, 16, 4096

@@ -175,3 +175,45 @@ def test_bench_entry_point_runs(capsys, backend):
     out = capsys.readouterr().out
     assert "kernel_ms=" in out and "ref_ms=" in out
     assert f"tree_attention{'_mgpu' if backend == 'gpu' else ''} in its CPU interpreter" in out
+
+
+def test_gpu_kernel_takes_a_tree_not_a_prefill():
+    """The new tokens' keys, values and bias are one shared-memory block: at most MAX_NEW of
+    them; the dispatcher sends longer runs (a prefill) to the reference, interpreted or not."""
+    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
+
+    assert mgpu.supports(jnp.bfloat16, 128, mgpu.MAX_NEW) and not mgpu.supports(jnp.bfloat16, 128, mgpu.MAX_NEW + 1)
+    assert pick_kernel(jnp.bfloat16, 64, "gpu", new_tokens=mgpu.MAX_NEW).func is tree_attention_mgpu
+    assert pick_kernel(jnp.bfloat16, 64, "gpu", new_tokens=mgpu.MAX_NEW + 1) is None
+    assert pick_kernel(jnp.float32, 64, "gpu") is None  # as on a GPU: WGMMA has no exact float32
+    with pytest.raises(ValueError, match="at most 64 fit"):
+        tree_attention_mgpu(*_inputs(1, 1, 64, 65, "chain", jnp.bfloat16), scale=0.125, interpret=True)
+
+
+def test_a_kernel_read_cache_has_whole_blocks():
+    """A cache a Pallas kernel reads has a multiple of kv_cache.KERNEL_SLOTS slots (Mosaic GPU in
+    jax 0.11.2 did not compile other lengths); the XLA path's has exactly max_len."""
+    from eagle3_jax import kv_cache
+
+    cfg = eagle3_jax.load_target(FIXTURES / "target_tiny").config
+    for impl, want in [("xla", 150), ("pallas", 256), ("pallas_interpret_gpu", 256)]:
+        assert eagle3_jax.Target(cfg, attention_impl=impl).init_cache(2, 150).max_len == want
+    assert kv_cache.capacity(256, "pallas") == 256 and kv_cache.capacity(1, "pallas_interpret") == 128
+
+
+def test_device_check_script_runs(tmp_path):
+    """pallas_kernels/device_check.py, shrunk to the CPU (--smoke): the parts that matter most
+    on a GPU run end to end here, so that the one-call device script cannot rot."""
+    import json
+
+    from eagle3_jax.pallas_kernels import device_check
+
+    for part in ("kernels", "bench", "llama8b"):
+        assert device_check.main([part, "--out", str(tmp_path), "--smoke"]) == 0
+    doc = {p: json.loads((tmp_path / f"{p}.json").read_text()) for p in ("kernels", "bench", "llama8b")}
+    kernels = doc["kernels"]["result"]
+    assert kernels["total"] >= 3 and kernels["passed"] == kernels["total"], kernels
+    row = doc["bench"]["result"]["rows"][0]
+    assert row["max_abs_err"] < 2e-2 and row["xla_ms"] > 0
+    (llama,) = doc["llama8b"]["result"]["rows"]
+    assert "error" not in llama and llama["eagle3_rounds"][1] > llama["eagle3_rounds"][0]

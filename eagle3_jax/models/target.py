@@ -17,7 +17,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import RopeConfig, TargetConfig, integer
-from eagle3_jax.kv_cache import KVCache, advance, init_cache, storage_dtype, write
+from eagle3_jax.kv_cache import KVCache, advance, capacity, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, normal, ones, zeros
 
 
@@ -159,12 +159,14 @@ class Target(nnx.Module):
                              f"({self.config.max_position_embeddings})")
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty cache with room for ``max_len`` tokens per sequence."""
+        """An empty cache with room for ``max_len`` tokens per sequence (more slots where a
+        Pallas kernel reads it: ``kv_cache.capacity``)."""
         cfg = self.config
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
                              "sliding-window attention is not implemented")
-        return init_cache(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.cache_dtype)
+        return init_cache(cfg.num_layers, batch, capacity(max_len, self.attention_impl), cfg.num_kv_heads,
+                          cfg.head_dim, self.cache_dtype)
 
     @property
     def cache_dtype(self):
