@@ -63,10 +63,9 @@ KERNEL_SLOTS = 128  # a multiple of both kernels' cache blocks (Mosaic GPU 64, M
 def capacity(max_len: int, attention_impl: str = "xla") -> int:
     """The slots a cache for ``max_len`` tokens has: ``max_len`` itself, rounded up to a
     multiple of :data:`KERNEL_SLOTS` where a Pallas kernel reads it (``attention_impl``
-    ``pallas*``).  Mosaic GPU in jax 0.11.2 failed layout inference on a cache whose length
-    is not a multiple of the kernel's block (H200: caches of 150 and 1193 slots failed,
-    1024 to 4096 compiled and matched the reference); the slots past ``max_len`` are never
-    written or visible."""
+    ``pallas*``): Mosaic GPU tiles the cache's slots by 8 (on an H200, caches of 150 and 1193
+    slots failed to compile, 1024 and 4096 matched the reference), and whole blocks are what
+    both kernels walk.  The slots past ``max_len`` are never written or visible."""
     if attention_impl.startswith("pallas"):
         return -(-max_len // KERNEL_SLOTS) * KERNEL_SLOTS
     return max_len

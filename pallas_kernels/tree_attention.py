@@ -180,13 +180,14 @@ def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not B
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: int = 1):
+def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: int = 1, cache_len: int = 0):
     """The kernel ``attention`` runs for ``dtype`` inputs, or ``None`` for the XLA reference.
 
     ``interpret=None`` picks by the default device: the Mosaic TPU kernel on a TPU, the
     Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32),
-    head_dim 64/128 and at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or
-    a decode step; a prefill does not fit its shared memory).  ``interpret="tpu"`` / ``"gpu"``
+    head_dim 64/128, at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or
+    a decode step; a prefill does not fit its shared memory) and a cache of ``cache_len``
+    slots it can tile (``tree_attention_mgpu.supports``).  ``interpret="tpu"`` / ``"gpu"``
     returns that kernel in its CPU interpreter, the GPU one under the same rule as on a GPU
     (else ``None``).
     """
@@ -197,12 +198,12 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
     if interpret == "tpu":
         return functools.partial(tree_attention, interpret=True)
     if interpret == "gpu":
-        return functools.partial(mgpu.tree_attention_mgpu, interpret=True) if mgpu.supports(dtype, head_dim, new_tokens) \
-            else None
+        fits = mgpu.supports(dtype, head_dim, new_tokens, cache_len)
+        return functools.partial(mgpu.tree_attention_mgpu, interpret=True) if fits else None
     device = jax.devices()[0]
     if device.platform == "tpu":
         return tree_attention
-    if _is_hopper(device) and mgpu.supports(dtype, head_dim, new_tokens):
+    if _is_hopper(device) and mgpu.supports(dtype, head_dim, new_tokens, cache_len):
         return mgpu.tree_attention_mgpu
     return None
 
@@ -210,5 +211,6 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
 def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, layer=None,
               interpret: str | None = None):
     """Dispatcher: the kernel ``pick_kernel`` chooses for ``q``, else the XLA reference."""
-    kernel = pick_kernel(q.dtype, q.shape[-1], interpret, new_tokens=q.shape[1]) or tree_attention_ref
+    kernel = pick_kernel(q.dtype, q.shape[-1], interpret, new_tokens=q.shape[1], cache_len=k_cache.shape[-3]) \
+        or tree_attention_ref
     return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale, layer=layer)

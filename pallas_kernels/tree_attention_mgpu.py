@@ -54,16 +54,22 @@ HEAD_DIMS = (64, 128)  # SMEM holds a 4-deep K/V pipeline of 64-slot blocks up t
 # buffered, beside the Q/O tiles (48 KiB at D = 128): T_pad = 64 fits the 227 KiB a block may
 # have, 128 does not; longer runs (a prefill) go to the XLA reference (``supports``)
 MAX_NEW = 64
+# the cache's slots a multiple of 8 (the TMA descriptor's row tiling; the last block's start,
+# S - block_kv, must be 8-aligned for layout inference): 150 or 1193 slots fail to lower
+CACHE_ALIGN = 8
 
 
 def _is_16bit(dtype) -> bool:
     return jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
 
 
-def supports(dtype, head_dim: int, new_tokens: int = 1) -> bool:
-    """Whether the kernel takes ``dtype`` inputs with this head_dim and ``new_tokens`` new
-    (tree) tokens per sequence (at most ``MAX_NEW``: a tree or a decode step, not a prefill)."""
-    return _is_16bit(dtype) and head_dim in HEAD_DIMS and new_tokens <= MAX_NEW
+def supports(dtype, head_dim: int, new_tokens: int = 1, cache_len: int = 0) -> bool:
+    """Whether the kernel takes ``dtype`` inputs with this head_dim, ``new_tokens`` new (tree)
+    tokens per sequence (at most ``MAX_NEW``: a tree or a decode step, not a prefill) and a
+    cache of ``cache_len`` slots (a multiple of ``CACHE_ALIGN``, or shorter than a block, which
+    is padded; ``kv_cache.capacity`` sizes the decode loop's caches so)."""
+    return (_is_16bit(dtype) and head_dim in HEAD_DIMS and new_tokens <= MAX_NEW
+            and (cache_len % CACHE_ALIGN == 0 or cache_len < 64))
 
 
 def _num_sms() -> int:
@@ -225,6 +231,9 @@ def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD
                          f"memory (a prefill goes to tree_attention_ref: see supports)")
     kc, vc, layer = stacked_cache(k_cache, v_cache, layer, block_kv)
     S = kc.shape[2]
+    if S % CACHE_ALIGN:
+        raise ValueError(f"tree_attention_mgpu: a cache of {S} slots; Mosaic GPU needs a multiple of {CACHE_ALIGN} "
+                         f"(kv_cache.capacity rounds the decode loop's; supports() sends others to the reference)")
     R = G * T
     R_pad, T_pad = _round_up(R, BLOCK_Q), _round_up(T, 64)
     row_tiles = R_pad // BLOCK_Q

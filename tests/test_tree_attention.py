@@ -37,14 +37,14 @@ CASES = [(1, 1, 64, 1, "chain"), (3, 4, 128, 7, "random"), (1, 8, 64, 60, "full"
          (3, 8, 128, 7, "chain"), (1, 4, 64, 60, "chain"), (3, 4, 64, 1, "full")]
 
 
-def _inputs(B, gqa, D, T, mask, dtype, S=150):
+def _inputs(B, gqa, D, T, mask, dtype, S=152):
     rng = np.random.default_rng(B * 1000 + gqa * 100 + D + T)
     K = 2
     N = K * gqa
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
     q, kc, vc, kn, vn = arr(B, T, N, D), arr(B, S, K, D), arr(B, S, K, D), arr(B, T, K, D), arr(B, T, K, D)
     # prefixes around the 64-slot block boundary, an empty cache and (B > 1) a full one, whose
-    # last block overlaps the one before it (150 is not a multiple of 64)
+    # last block overlaps the one before it (152 is not a multiple of 64)
     prefix = jnp.asarray(rng.choice([0, 1, 63, 64, 97, S], size=B), jnp.int32).at[0].set(0)
     if B > 1:
         prefix = prefix.at[-1].set(S)
@@ -78,7 +78,7 @@ def test_gpu_kernel_matches_reference(B, gqa, D, T, mask, dtype):
 def test_gpu_kernel_long_walk():
     """Up to 5 blocks of 64 slots through the 4 SMEM slots: the pipeline wraps around.
     (A cache shorter than one block runs in the generate test below.)"""
-    args = _inputs(3, 1, 64, 7, "chain", jnp.bfloat16, S=300)
+    args = _inputs(3, 1, 64, 7, "chain", jnp.bfloat16, S=296)
     _assert_close(tree_attention_mgpu(*args, scale=0.125, splits=1, interpret=True),
                   tree_attention_ref(*args, scale=0.125), jnp.bfloat16)
 
@@ -99,13 +99,28 @@ def test_gpu_kernel_refuses_float32_and_odd_head_dims():
         tree_attention_mgpu(*_inputs(1, 1, 48, 7, "chain", jnp.bfloat16), scale=0.125, interpret=True)
 
 
-@pytest.mark.parametrize("B,gqa,D,T,dtype", [(1, 8, 128, 60, jnp.bfloat16), (3, 4, 64, 7, jnp.float16),
-                                             (2, 1, 128, 1, jnp.bfloat16)])
-def test_gpu_kernel_lowers_for_hopper(B, gqa, D, T, dtype):
+@pytest.mark.parametrize("B,gqa,D,T,dtype,S", [(1, 8, 128, 60, jnp.bfloat16, 1000), (3, 4, 64, 7, jnp.float16, 1000),
+                                               (2, 1, 128, 1, jnp.bfloat16, 1000), (1, 4, 128, 1, jnp.bfloat16, 1192)])
+def test_gpu_kernel_lowers_for_hopper(B, gqa, D, T, dtype, S):
     """The compiled program (not the interpreted one) passes Mosaic GPU's layout inference
-    and WGMMA checks for sm_90a; only PTX assembly is left to a real GPU."""
+    and WGMMA checks for sm_90a; only PTX assembly is left to a real GPU.  (1192 slots: the
+    multiple of 8 next to the 1193 that failed on an H200.)"""
     fn = functools.partial(tree_attention_mgpu, scale=D ** -0.5, splits=3)
-    assert "mosaic_gpu" in _lower(fn, "cuda", B, gqa, D, T, dtype)
+    assert "mosaic_gpu" in _lower(fn, "cuda", B, gqa, D, T, dtype, S=S)
+
+
+def test_gpu_kernel_refuses_a_cache_it_cannot_tile():
+    """A cache whose slots are not a multiple of 8 does not lower (Mosaic GPU layout inference
+    fails: seen on an H200 with 150 and 1193 slots): a clear error, and the dispatcher picks the
+    reference; the decode loop's caches are sized so (kv_cache.capacity)."""
+    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
+
+    fn = functools.partial(tree_attention_mgpu, scale=128 ** -0.5, splits=3)
+    with pytest.raises(ValueError, match="a cache of 1193 slots; Mosaic GPU needs a multiple of 8"):
+        _lower(fn, "cuda", 1, 4, 128, 1, jnp.bfloat16, S=1193)
+    assert not mgpu.supports(jnp.bfloat16, 128, 1, 1193) and mgpu.supports(jnp.bfloat16, 128, 1, 1192)
+    assert mgpu.supports(jnp.bfloat16, 128, 1, 37)  # shorter than a block: padded to one
+    assert pick_kernel(jnp.bfloat16, 64, "gpu", cache_len=150) is None
 
 
 @pytest.mark.parametrize("B,gqa,D,T,dtype", [(1, 8, 128, 60, jnp.bfloat16), (3, 4, 64, 7, jnp.float32),
