@@ -51,8 +51,9 @@ MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, nev
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # SMEM holds a 4-deep K/V pipeline of 64-slot blocks up to D = 128
 # the new keys/values and their bias are one SMEM block: 2·T_pad·D 16-bit + 64·T_pad f32, double
-# buffered, beside the Q/O tiles (48 KiB at D = 128): T_pad = 64 fits the 227 KiB a block may
-# have, 128 does not; longer runs (a prefill) go to the XLA reference (``supports``)
+# buffered, beside the Q/O tiles (48 KiB at D = 128): by this count T_pad = 64 fits the 227 KiB a
+# block may have and 128 does not (device_check's `kernels` part probes it); longer runs (a
+# prefill) go to the XLA reference (``supports``)
 MAX_NEW = 64
 # the cache's slots a multiple of 8 (the TMA descriptor's row tiling; the last block's start,
 # S - block_kv, must be 8-aligned for layout inference): 150 or 1193 slots fail to lower
