@@ -83,17 +83,20 @@ PREFIX_BLOCK = 64
 # 8 KV heads of 128, bfloat16, 16 new tokens) the walk took 0.57 ms over 1024 slots (16 steps)
 # and 1.59 ms over 4096 (64 steps), ~21 µs a step, against 0.14 ms for one pass over all 4096
 # (pallas_kernels/device_check.sh, `bench` part).  21 µs is the time HBM (4.8 TB/s) reads
-# ~100 MB in, so there a step takes that many bytes of keys and values: a step's overhead
-# then costs at most what its bytes do, and a cache of fewer bytes is read in one pass.
+# ~100 MB in, so there a step moves that many bytes (keys, values and the float32 scores): a
+# step's overhead then costs at most what its bytes do, and a small cache is read in one pass
+# (a prefill, whose scores are large, still walks, in short steps: none for an empty prefix).
 GPU_BLOCK_BYTES = 96 * 2 ** 20
 
 
-def prefix_block(batch: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+def prefix_block(batch: int, kv_heads: int, head_dim: int, itemsize: int, rows: int = 1) -> int:
     """Cache slots per step of the prefix walk on the default backend: :data:`PREFIX_BLOCK`,
-    or on a GPU as many as hold :data:`GPU_BLOCK_BYTES` of keys and values."""
+    or on a GPU as many as move :data:`GPU_BLOCK_BYTES`: per slot, a key and a value per KV
+    head and a float32 score for each of its ``rows`` queries (new tokens × heads per KV head)."""
     if jax.default_backend() != "gpu":
         return PREFIX_BLOCK
-    return max(PREFIX_BLOCK, GPU_BLOCK_BYTES // (2 * batch * kv_heads * head_dim * itemsize))
+    per_slot = batch * kv_heads * (2 * head_dim * itemsize + 4 * rows)
+    return max(PREFIX_BLOCK, GPU_BLOCK_BYTES // per_slot)
 
 
 def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, region_mask_BxTxR, *,
@@ -140,7 +143,7 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
     state = update(state, scores(k_reg, mask_BxTxR[:, None, :, None]), v_reg)
     if kv is not None:
         S = kv[0].shape[2]
-        blk = min(block or prefix_block(B, K, D, kv[0].dtype.itemsize), S)
+        blk = min(block or prefix_block(B, K, D, kv[0].dtype.itemsize, rows=T * (N // K)), S)
 
         def walk_step(j, state):
             start = jnp.minimum(j * blk, S - blk)  # the last block ends at the cache's end
@@ -152,7 +155,9 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
             visible_BxS = (slot[None] >= j * blk) & (slot[None] < prefix_len_B[:, None])  # not the previous block's
             return update(state, scores(k_blk, visible_BxS[:, None, None, None]), v_blk)
 
-        if blk == S:  # one pass over the whole cache, no loop
+        # one pass over the whole cache, no loop, on a GPU only: XLA:CPU ran a one-trip loop
+        # faster (tests/test_generate.py's 2000-row sampling test: 24 s, 91 s without the loop)
+        if blk == S and jax.default_backend() == "gpu":
             state = walk_step(0, state)
         else:
             n_blocks = (jnp.max(prefix_len_B) + blk - 1) // blk

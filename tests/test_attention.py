@@ -78,21 +78,25 @@ def test_region_kv_and_bfloat16():
 
 
 def test_prefix_block_by_backend(monkeypatch):
-    """64-slot steps on the CPU; on a GPU steps of GPU_BLOCK_BYTES of keys and values (a step
+    """64-slot steps on the CPU; on a GPU steps that move GPU_BLOCK_BYTES (keys, values, scores; a step
     there costs ~21 µs whatever it reads), so that a small cache is read in one pass."""
     assert layers.prefix_block(1, 8, 128, 2) == layers.PREFIX_BLOCK  # this machine: the CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.prefix_block(1, 8, 128, 2) == layers.GPU_BLOCK_BYTES // (2 * 8 * 128 * 2) == 24576
-    assert layers.prefix_block(32, 8, 128, 2) == 768
-    assert layers.prefix_block(4096, 8, 128, 4) == layers.PREFIX_BLOCK  # never below it
-    # one pass, no loop: a block as large as the cache (the result as the reference's)
     k_cache, v_cache, q, k_new, v_new, mask, prefix = _case(0, 2, 3, 4, 2, 16, 120, [100, 7])
     k_cache = jnp.pad(k_cache, ((0, 0), (0, 0), (0, 3), (0, 0), (0, 0)))
     v_cache = jnp.pad(v_cache, ((0, 0), (0, 0), (0, 3), (0, 0), (0, 0)))
-    jaxpr = str(jax.make_jaxpr(lambda *a: layers.attention(*a, scale=0.25))(q, (k_cache, v_cache), 1, prefix, k_new,
-                                                                           v_new, mask))
-    assert "while" not in jaxpr
-    out = layers.attention(q, (k_cache, v_cache), 1, prefix, k_new, v_new, mask, scale=0.25)
+    args = (q, (k_cache, v_cache), 1, prefix, k_new, v_new, mask)
+    trace = lambda: str(jax.make_jaxpr(lambda *a: layers.attention(*a, scale=0.25, block=123))(*args))
+    assert "while" in trace()  # on the CPU even a one-block walk is a loop (faster there)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    # an 8B shape: a decode step (4 query rows per KV head), batch 1 and 32; a 60-token tree
+    assert layers.prefix_block(1, 8, 128, 2, rows=4) == layers.GPU_BLOCK_BYTES // (8 * (2 * 128 * 2 + 4 * 4)) == 23831
+    assert layers.prefix_block(32, 8, 128, 2, rows=4) == 744
+    assert layers.prefix_block(1, 8, 128, 2, rows=240) == 8548
+    assert layers.prefix_block(1, 8, 128, 2, rows=4 * 8192) == 95  # an 8k prefill: short steps
+    assert layers.prefix_block(4, 8, 128, 2, rows=4 * 8192) == layers.PREFIX_BLOCK  # never below it
+    # on a GPU one pass, no loop: a block as large as the cache (the result as the reference's)
+    assert "while" not in trace()
+    out = layers.attention(*args, scale=0.25)
     np.testing.assert_allclose(out, _reference(q, k_cache, v_cache, 1, prefix, k_new, v_new, mask), atol=2e-5,
                                rtol=2e-5)
 
