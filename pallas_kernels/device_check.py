@@ -1,4 +1,4 @@
-"""One call's worth of checks on a real accelerator (a Hopper GPU: the Mosaic GPU kernel).
+"""The checks a lent accelerator should run, in two device calls (a Hopper GPU: the Mosaic GPU kernel).
 
     pallas_kernels/device_check.sh OUT_DIR kernels bench llama8b    # one call (~6 minutes on an H200)
     pallas_kernels/device_check.sh OUT_DIR builtin step             # a second call (~4 minutes)
@@ -94,8 +94,8 @@ def part_kernels(smoke: bool) -> dict:
     grid = [(1, 1, 64, 1, "chain"), (3, 4, 128, 7, "random"), (1, 8, 64, 60, "full"), (3, 1, 128, 60, "random"),
             (3, 8, 128, 7, "chain"), (1, 4, 64, 60, "chain"), (3, 4, 64, 1, "full"), (3, 8, 128, 60, "random")]
     # (dtype, cache length, splits): bfloat16 with 2 splits on a short cache (the second split
-    # empty for short prefixes), and each dtype with the default splits on a longer one
-    # (the cache lengths are multiples of 128 slots, as kv_cache.capacity makes them for a kernel)
+    # empty for short prefixes), each dtype with the default splits on a longer one, and a
+    # cache of 152 slots (a multiple of 8, as the kernel needs, but not of its 64-slot block)
     variants = [("bfloat16", 256, 2)] if smoke else [("bfloat16", 256, 2), ("bfloat16", 1024, None),
                                                       ("float16", 1024, None), ("bfloat16", 152, 2)]
     cases = [dict(B=B, gqa=gqa, D=D, T=T, mask=kind, dtype=dtype, S=S, splits=splits, seed=i)
