@@ -232,3 +232,24 @@ def test_device_check_script_runs(tmp_path):
     assert row["max_abs_err"] < 2e-2 and row["xla_ms"] > 0
     (llama,) = doc["llama8b"]["result"]["rows"]
     assert "error" not in llama and llama["eagle3_rounds"][1] > llama["eagle3_rounds"][0]
+
+
+def test_slots_with_a_kernel_read_cache_equal_generate():
+    """The slot engine with a Pallas target, whose caches have whole 128-slot blocks
+    (kv_cache.capacity: a prefill's row cache and the slots' cache both rounded up), gives
+    generate's tokens."""
+    from eagle3_jax.decode import Slots
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny", attention_impl="pallas_interpret")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
+    prompts = [np.load(FIXTURES / "eagenerate_greedy_trained.npz")[k].tolist() for k in ("p0_prompt", "p3_prompt")]
+    tree = eagle3_jax.TreeConfig(16, 4, 4)
+    slots = Slots(target, drafter, num_slots=2, max_len=150, speculation=tree)
+    assert slots.max_len == 150 and target.init_cache(2, 150).max_len == 256
+    tickets = [slots.insert(s, p, max_new_tokens=12) for s, p in enumerate(prompts)]
+    got = {}
+    for _ in range(12):  # 12 tokens each: at most 11 rounds after the prefill's token
+        slots.run(4)
+        got.update({s: v.tokens for s, v in enumerate(slots.poll()) if v.done and v.ticket == tickets[s]})
+    want = eagle3_jax.generate(target, drafter, prompts, max_new_tokens=12, tree=tree)
+    assert [got.get(s) for s in range(2)] == want.tokens
