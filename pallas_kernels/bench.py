@@ -1,4 +1,4 @@
-"""Tree-attention benchmark: kernel vs jnp reference, achieved HBM bandwidth vs peak.
+"""Tree-attention benchmark: kernel vs jnp reference vs the XLA path, achieved HBM bandwidth vs peak.
 
     python -m eagle3_jax.pallas_kernels.bench                        # full grid on the default accelerator
     python -m eagle3_jax.pallas_kernels.bench --quick --interpret gpu  # smoke run of a kernel on the CPU
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax import layers
 from eagle3_jax.pallas_kernels.tree_attention import pick_kernel, tree_attention_ref
 
 PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765, "TPU v5": 2765, "TPU v6 lite": 1640,
@@ -44,12 +45,10 @@ def _time(fn, *args, reps: int = 10) -> float:
 
 
 def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, dtype=jnp.bfloat16, interpret=None,
-        reps=10, xla_path=None):
-    """One row per (cache length, tree, batch): the reference's and the kernel's time.
-
-    ``xla_path``: also time this function with ``eagle3_jax.layers.attention``'s signature
-    (the XLA path the decode loop runs, blockwise over the live prefix) on the same inputs
-    (``xla_ms``; ``speedup_vs_xla`` = its time / the kernel's)."""
+        reps=10):
+    """One row per (cache length, tree, batch): the time of the reference, of the XLA path the
+    decode loop runs (``eagle3_jax.layers.attention``, blockwise over the live prefix:
+    ``xla_ms``) and of the kernel (``speedup`` over the reference, ``speedup_vs_xla``)."""
     rows = []
     kernel = pick_kernel(dtype, head_dim, interpret)
     peak = peak_bandwidth()
@@ -66,18 +65,16 @@ def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, 
         item = jnp.dtype(dtype).itemsize
         nbytes = item * (2 * B * S * kv_heads * head_dim + 2 * B * T * heads * head_dim + 2 * B * T * kv_heads * head_dim)
         row = {"cache_len": S, "tree": T, "batch": B, "ref_ms": t_ref * 1e3, "ref_GBps": nbytes / t_ref / 1e9}
-        if xla_path is not None:
-            xla = jax.jit(lambda q, kc, vc, prefix, kn, vn, mask: xla_path(q, (kc[None], vc[None]), 0, prefix, kn, vn,
-                                                                          mask, scale=scale))
-            row["xla_ms"] = _time(xla, q, kc, vc, prefix, kn, vn, mask, reps=reps) * 1e3
+        xla = jax.jit(lambda q, kc, vc, prefix, kn, vn, mask: layers.attention(q, (kc[None], vc[None]), 0, prefix, kn,
+                                                                               vn, mask, scale=scale))
+        row["xla_ms"] = _time(xla, q, kc, vc, prefix, kn, vn, mask, reps=reps) * 1e3
         if kernel is not None:
             ker = jax.jit(lambda *a: kernel(*a, scale=scale))
             t_k = _time(ker, q, kc, vc, prefix, kn, vn, mask, reps=reps)
             err = jnp.abs(ker(q, kc, vc, prefix, kn, vn, mask).astype(jnp.float32)
                           - ref(q, kc, vc, prefix, kn, vn, mask).astype(jnp.float32)).max()
             row.update(kernel_ms=t_k * 1e3, kernel_GBps=nbytes / t_k / 1e9, speedup=t_ref / t_k, max_abs_err=float(err))
-            if xla_path is not None:
-                row["speedup_vs_xla"] = row["xla_ms"] / row["kernel_ms"]
+            row["speedup_vs_xla"] = row["xla_ms"] / row["kernel_ms"]
             if peak:
                 row["kernel_frac_of_peak"] = nbytes / t_k / 1e9 / peak
         rows.append(row)

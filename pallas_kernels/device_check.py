@@ -87,8 +87,8 @@ def _err(got, want) -> tuple[float, float]:
 
 
 def part_kernels(smoke: bool) -> dict:
+    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
     from eagle3_jax.pallas_kernels.tree_attention import tree_attention_ref
-    from eagle3_jax.pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
     interpret = smoke
     grid = [(1, 1, 64, 1, "chain"), (3, 4, 128, 7, "random"), (1, 8, 64, 60, "full"), (3, 1, 128, 60, "random"),
@@ -106,15 +106,13 @@ def part_kernels(smoke: bool) -> dict:
     for c in cases:
         args = _case(c["B"], c["gqa"], c["D"], c["T"], c["mask"], jnp.dtype(c["dtype"]), c["S"], seed=c["seed"],
                      layers=c.get("layers"))
-        layer = None
-        if c.get("layers"):
-            layer = jnp.int32(1)
+        layer = jnp.int32(1) if c.get("layers") else None
         row = dict(c)
         try:  # the reference first: on the H200 a failed kernel compile once broke the next XLA one
             want = jax.block_until_ready(tree_attention_ref(*args, scale=c["D"] ** -0.5, layer=layer))
             t0 = time.perf_counter()
-            got = jax.block_until_ready(tree_attention_mgpu(*args, scale=c["D"] ** -0.5, layer=layer,
-                                                            splits=c["splits"], interpret=interpret))
+            got = jax.block_until_ready(mgpu.tree_attention_mgpu(*args, scale=c["D"] ** -0.5, layer=layer,
+                                                                 splits=c["splits"], interpret=interpret))
             row["first_call_s"] = time.perf_counter() - t0
             row["max_abs_err"], row["max_abs_ref"] = _err(got, want)
             row["ok"] = row["max_abs_err"] <= 2e-2 * max(1.0, row["max_abs_ref"])
@@ -128,8 +126,6 @@ def part_kernels(smoke: bool) -> dict:
         args = _case(1, 4, D, T, "chain", jnp.bfloat16, 256, seed=7)
         row = {"D": D, "T": T}
         try:
-            from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
-
             saved, mgpu.MAX_NEW = mgpu.MAX_NEW, 10 ** 6  # past the dispatcher's limit on purpose
             try:
                 got = jax.block_until_ready(mgpu.tree_attention_mgpu(*args, scale=D ** -0.5))
@@ -146,13 +142,11 @@ def part_kernels(smoke: bool) -> dict:
 
 
 def part_bench(smoke: bool) -> dict:
-    from eagle3_jax import layers
     from eagle3_jax.pallas_kernels import bench
 
     if smoke:
-        return bench.run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret="gpu", reps=1,
-                         xla_path=layers.attention)
-    return bench.run([1024, 8192, 32768], [16, 64], [1, 32], reps=10, xla_path=layers.attention)
+        return bench.run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret="gpu", reps=1)
+    return bench.run([1024, 8192, 32768], [16, 64], [1, 32], reps=10)
 
 
 def part_builtin(smoke: bool) -> dict:

@@ -47,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from eagle3_jax.pallas_kernels.tree_attention import rows_by_kv_head, rows_to_tokens, stacked_cache
 
 BLOCK_Q = 64  # one warpgroup's WGMMA M tile
+BLOCK_KV = 64  # cache slots per pipeline step (the default block_kv); a shorter cache is padded to one
 MASK = -1e30  # finite: a fully masked block gives weight exp(MASK - m) = 0, never NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # SMEM holds a 4-deep K/V pipeline of 64-slot blocks up to D = 128
@@ -70,7 +71,7 @@ def supports(dtype, head_dim: int, new_tokens: int = 1, cache_len: int = 0) -> b
     cache of ``cache_len`` slots (a multiple of ``CACHE_ALIGN``, or shorter than a block, which
     is padded; ``kv_cache.capacity`` sizes the decode loop's caches so)."""
     return (_is_16bit(dtype) and head_dim in HEAD_DIMS and new_tokens <= MAX_NEW
-            and (cache_len % CACHE_ALIGN == 0 or cache_len < 64))
+            and (cache_len % CACHE_ALIGN == 0 or cache_len < BLOCK_KV))
 
 
 def _num_sms() -> int:
@@ -215,7 +216,7 @@ def _round_up(x: int, m: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "splits", "max_concurrent_steps", "interpret"))
 def tree_attention_mgpu(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
-                        scale: float, layer=None, block_kv: int = 64, splits: int | None = None,
+                        scale: float, layer=None, block_kv: int = BLOCK_KV, splits: int | None = None,
                         max_concurrent_steps: int = 4, interpret: bool = False):
     """Mosaic GPU tree attention (see the module docstring for blocking and layout)."""
     B, T, N, D = q_BxTxNxD.shape
