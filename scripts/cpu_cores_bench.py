@@ -3,8 +3,8 @@
     python scripts/cpu_cores_bench.py [--runs 3] [--repeats 5]
 
 On a small host a batch-1 step is a few hundred tiny ops, and XLA:CPU hands ready ops to the
-threads of its pool: on 2 cores a step can cost more than on one (each op's inputs move
-between the cores' caches). This times, in the built-in pair's compiled decode loop, a vanilla
+threads of its pool: on 2 cores a step can cost more than on one (likely the handoffs, and
+each op's inputs moving between the cores' caches). This times, in the built-in pair's compiled decode loop, a vanilla
 step and a chain-6 round at batch 1, and a vanilla step and a chain-4 round at batch 32
 (``eagle3_jax.cost``'s method: forced rounds, a long call minus a short one over the rounds
 between them; the median of ``--repeats``), in child processes pinned to the first core
@@ -56,6 +56,8 @@ def main(argv=None):
     ap.add_argument("--child", choices=["one", "all"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    if not hasattr(os, "sched_setaffinity"):
+        sys.exit("cpu_cores_bench: needs os.sched_setaffinity (Linux) to pin a process to one core")
     if args.child:
         if args.child == "one":
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
