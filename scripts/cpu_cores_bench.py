@@ -4,14 +4,14 @@
 
 On a small host a batch-1 step is a few hundred tiny ops, and XLA:CPU hands ready ops to the
 threads of its pool: on 2 cores a step can cost more than on one (likely the handoffs, and
-each op's inputs moving between the cores' caches). This times, in the built-in pair's compiled decode loop, a vanilla
-step and a chain-6 round at batch 1, and a vanilla step and a chain-4 round at batch 32
-(``eagle3_jax.cost``'s method: forced rounds, a long call minus a short one over the rounds
-between them; the median of ``--repeats``), in child processes pinned to the first core
-(``os.sched_setaffinity`` before JAX starts, so that its pool has one thread) and given every
-core, the two taking turns ``--runs`` times, and prints each child's figures with the ratios
-that set ``eagle3-jax bench``'s: a round over a vanilla step at batch 1, and a batch-32 step
-over a batch-1 step.
+each op's inputs moving between the cores' caches). This times, in the built-in pair's
+compiled decode loop, a vanilla step and a chain-6 round at batch 1, and a vanilla step and a
+chain-4 round at batch 32 (``eagle3_jax.cost``'s method: forced rounds, a long call minus a
+short one over the rounds between them; the median of ``--repeats``), in child processes
+pinned to the first core (``os.sched_setaffinity`` before JAX starts, so that every thread it
+makes runs there) and given every core, the two taking turns ``--runs`` times. It prints each
+child's figures and the two ratios behind ``eagle3-jax bench``'s batch-1 speedup and batch
+scaling: a chain-6 round over a vanilla step at batch 1, and a batch-32 step over a batch-1 one.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5, help="timings per loop in a child (their median is kept)")
     ap.add_argument("--child", choices=["one", "all"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.runs < 1 or args.repeats < 1:
+        ap.error(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
 
     if not hasattr(os, "sched_setaffinity"):
         sys.exit("cpu_cores_bench: needs os.sched_setaffinity (Linux) to pin a process to one core")
