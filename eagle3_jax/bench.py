@@ -66,13 +66,17 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     ``verify`` (the target's tree forward + the acceptance walk), ``catch_up`` (the drafter on
     the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
     (the loop's own bookkeeping).  ``mesh``: decoded on it (as ``generate(..., mesh=)``; the
-    parts' op time summed over its devices)."""
+    parts' op time summed over its devices).  ``drafter`` None: a vanilla step (``round_ms``
+    only; its op time is the ``step`` and ``emit`` scopes, not split here)."""
     from eagle3_jax.cost import forced_rounds
     from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree,
                                       mesh=mesh)
-    [forced] = forced_rounds([(compiled, args)], max_new_tokens, tree.path_len, repeats=repeats)
+    per_round = tree.path_len if drafter is not None else 1
+    [forced] = forced_rounds([(compiled, args)], max_new_tokens, per_round, repeats=repeats)
+    if drafter is None:
+        return {"round_ms": forced["round_ms"]}
     us = dict(forced["parts_us"])
     us["loop"] = us.pop("other", 0.0)
     names = ("draft", "verify", "catch_up", "commit", "emit", "loop")
@@ -183,8 +187,15 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
                            "repeats": repeats, **sampling, **({"categories": {c: len(groups[c]) for c in cats}} if cats else {})},
               "vanilla": vanilla, "eagle3": []}
+    # a vanilla step inside the compiled loop, timed as the rounds are (greedy, the first prompt)
+    step_key = (None, max_new_tokens, batch_size)
+    if step_key not in parts:
+        parts[step_key] = round_parts(target, None, prompts[0], TreeConfig(), max_new_tokens=max_new_tokens,
+                                      batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"))
+    vanilla["step_ms"] = parts[step_key]["round_ms"]
     log(f"[T={temperature}] vanilla: {vanilla['tokens']} tokens in {vanilla['seconds']:.2f}s = "
-        f"{vanilla['tokens_per_second']:.1f} tok/s" + (f", accuracy {vanilla['accuracy']:.3f}" if grade else ""))
+        f"{vanilla['tokens_per_second']:.1f} tok/s, step {vanilla['step_ms']:.2f} ms in the loop"
+        + (f", accuracy {vanilla['accuracy']:.3f}" if grade else ""))
     for tree, (tokens, secs, stats) in zip(trees, results[1:]):
         correct = graded(tokens)
         adaptive = isinstance(tree, Speculation)
@@ -221,6 +232,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         entry = {"tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
                  {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
                  **entry, "wall_ms_per_round": 1e3 * entry["seconds"] / max(entry["rounds"], 1), **parts.get(key, {})}
+        if entry.get("round_ms", 0.0) > 0 and vanilla["step_ms"] > 0:  # each below the timer's noise: no ratio
+            # the speedup the loop alone would give: tokens per round at a round's cost in steps
+            entry["loop_speedup"] = entry["tau"] * vanilla["step_ms"] / entry["round_ms"]
         if cats:
             entry["by_category"] = {c: row(groups[c], secs[c] if timed else None, stats[c] if timed else None,
                                            vanilla["by_category"][c]) for c in cats}
@@ -239,6 +253,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             detail = (f"round {entry['round_ms']:.2f} ms (draft {entry['draft_ms']:.2f}, verify {entry['verify_ms']:.2f}, "
                       f"catch-up {entry['catch_up_ms']:.2f}, commit {entry['commit_ms']:.2f}, rest "
                       f"{entry['emit_ms'] + entry['loop_ms']:.2f}; {share})")
+            if "loop_speedup" in entry:
+                detail += f", in the loop tau x step / round = {entry['loop_speedup']:.2f}x"
         log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {entry['tokens_per_second']:.1f} tok/s, "
             f"speedup {entry['speedup']:.2f}x, tau {entry['tau']:.2f}, acceptance per position "
             f"{[round(r, 2) for r in entry['acceptance_rate']]}, {detail}"

@@ -295,6 +295,9 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
     e = greedy["eagle3"][0]
     assert e["identical_to_vanilla"] and e["accuracy"] == greedy["vanilla"]["accuracy"]
     assert e["draft_ms"] > 0 and e["verify_ms"] > 0 and len(e["acceptance_rate"]) == 4
+    # the loop alone: vanilla's step and the round timed alike, in the same process
+    assert greedy["vanilla"]["step_ms"] > 0 and e["loop_speedup"] > 0
+    assert "step" in capsys.readouterr().out
     assert doc["reports"][0]["peak_memory"]["bytes"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
