@@ -132,7 +132,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     ``by_category``; a batch larger than a category takes the prompts in order (so that
     ``batch_size`` is the batch that runs);
     ``generate_kw``: further ``generate`` arguments for both modes (e.g. the thinking budget);
-    ``parts`` caches :func:`round_parts` per tree (and length and batch) across calls (e.g. one per temperature).
+    ``parts`` caches :func:`round_parts` per tree and for vanilla's step (and length and batch)
+    across calls (e.g. one per temperature).
     """
     parts = {} if parts is None else parts
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

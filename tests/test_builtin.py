@@ -297,7 +297,8 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
     assert e["draft_ms"] > 0 and e["verify_ms"] > 0 and len(e["acceptance_rate"]) == 4
     # the loop alone: vanilla's step and the round timed alike, in the same process
     assert greedy["vanilla"]["step_ms"] > 0 and e["loop_speedup"] > 0
-    assert "step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ms in the loop" in out and "in the loop tau x step / round" in out
     assert doc["reports"][0]["peak_memory"]["bytes"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
