@@ -144,6 +144,20 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     assert [op for op in ops["copy"] if op[3] == "ENTRY" and op[4][1] == batch] == []
 
 
+def test_prefill_computes_the_last_tokens_logits_only():
+    """The decode loop's prefill runs the target's head on each prompt's last token only: no
+    ``[B, T, V]`` logits in the program (for a real vocabulary, the prefill's largest buffer:
+    32 prompts of 2k tokens over 128k ids would be 34 GB)."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    B, V = 2, target.config.vocab_size
+    compiled, args = decode.compile_generate(target, None, [[1, 2, 3, 4, 5]] * B, max_new_tokens=8)
+    T = args[2].shape[1]  # the prompt's bucket
+    assert T > 1
+    text = compiled.as_text()
+    assert f"f32[{B},{T},{V}]" not in text
+    assert f"f32[{B},{V}]" in text
+
+
 def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
     """`cost.forced_rounds` (bench's round time) runs the forced tier past a stop token that
     ends the request early (so that a short answer times as many rounds as a long one), for as

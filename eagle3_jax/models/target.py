@@ -85,7 +85,8 @@ class Target(nnx.Module):
             setattr(self, name, None if value is None else nnx.Param(value))
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
+    def __call__(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None,
+                 logits_at_B=None):
         """Runs ``T`` new tokens.
 
         Without a cache: plain causal forward over the tokens.  With a cache: the new
@@ -93,18 +94,24 @@ class Target(nnx.Module):
         prefix is visible, and ``region_mask[b, t, j]`` says whether query ``t`` sees
         new token ``j`` (causal for prefill/decode, the tree mask for verification).
 
-        Returns ``(logits_BxTxV float32, features_BxTx3H, cache)``.
+        Returns ``(logits_BxTxV float32, features_BxTx3H, cache)``; with ``logits_at_B``, the
+        logits of token ``logits_at_B[b]`` of each sequence only (``[B, V]``: a prefill needs
+        its last token's).
         """
-        logits, features, new_kv = self.forward(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
+        logits, features, new_kv = self.forward(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR,
+                                                logits_at_B=logits_at_B)
         if cache is not None:
             cache = write(cache, *new_kv, cache.lengths)
         return logits, features, cache
 
-    def forward(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
+    def forward(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None,
+                logits_at_B=None):
         """As ``__call__``, but the cache is only read: returns ``(logits_BxTxV, features_BxTx3H,
         (k_new_LxBxTxKxD, v_new_LxBxTxKxD))``, the new keys/values for the caller to write or
         commit (``kv_cache.write`` / ``kv_cache.commit``)."""
         hidden, features, new_kv = self.trunk(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
+        if logits_at_B is not None:
+            hidden = hidden[jnp.arange(hidden.shape[0]), logits_at_B]  # [B, H]
         return self.head(hidden), features, new_kv
 
     def trunk(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
