@@ -67,14 +67,14 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
     (the loop's own bookkeeping).  ``mesh``: decoded on it (as ``generate(..., mesh=)``; the
     parts' op time summed over its devices).  ``drafter`` None: a vanilla step (``round_ms``
-    only; its op time is the ``step`` and ``emit`` scopes, not split here)."""
+    only, not profiled)."""
     from eagle3_jax.cost import forced_rounds
     from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree,
                                       mesh=mesh)
     per_round = tree.path_len if drafter is not None else 1
-    [forced] = forced_rounds([(compiled, args)], max_new_tokens, per_round, repeats=repeats)
+    [forced] = forced_rounds([(compiled, args)], max_new_tokens, per_round, repeats=repeats, parts=drafter is not None)
     if drafter is None:
         return {"round_ms": forced["round_ms"]}
     us = dict(forced["parts_us"])

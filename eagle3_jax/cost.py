@@ -287,7 +287,8 @@ def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int =
                        fresh_args=lambda: (state, jax.tree.map(jax.numpy.copy, cache), tokens))
 
 
-def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3) -> list[dict]:
+def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, repeats: int = 3,
+                  parts: bool = True) -> list[dict]:
     """What one round of a compiled decode loop costs, apart from what a call costs besides
     its rounds (the cache's allocation, the prefill, the launch, the output's transfer), for
     each of ``programs``: ``(compiled, args)`` pairs of ``decode.compile_generate`` (one
@@ -303,7 +304,8 @@ def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, r
     two calls over the difference in rounds run.  Returns, per program, ``{"rounds",
     "round_ms", "parts_us"}``: rounds in the difference, wall milliseconds per round, and
     each part's op time per round under the profiler (:func:`profile_parts`, each part's
-    least of ``repeats`` calls; ``other``: the loop's own ops)."""
+    least of ``repeats`` calls; ``other``: the loop's own ops; empty with ``parts=False``, which
+    skips the profiler's calls)."""
     from eagle3_jax.decode import forced_args, forced_call
 
     most = max((new_tokens - 1) // per_round, 2)
@@ -320,10 +322,12 @@ def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, r
     out = []
     for (compiled, args), (short_s, long_s), (short_n, long_n) in zip(programs, best, ran):
         n = max(long_n - short_n, 1)
-        short, long = (profile_parts(compiled, *forced_args(args, tier, r), repeats=repeats) for r in rounds)
-        parts = {k: max(long.get(k, 0.0) - short.get(k, 0.0), 0.0) / n for k in long.keys() | short.keys()}
+        us = {}
+        if parts:
+            short, long = (profile_parts(compiled, *forced_args(args, tier, r), repeats=repeats) for r in rounds)
+            us = {k: max(long.get(k, 0.0) - short.get(k, 0.0), 0.0) / n for k in long.keys() | short.keys()}
         out.append({"rounds": n, "round_ms": 1e3 * max(long_s - short_s, 0.0) / n,
-                    "parts_us": dict(sorted(parts.items(), key=lambda kv: -kv[1]))})
+                    "parts_us": dict(sorted(us.items(), key=lambda kv: -kv[1]))})
     return out
 
 

@@ -175,6 +175,9 @@ def test_forced_rounds_run_past_the_stop_and_difference_the_calls():
     assert forced["rounds"] == 9 - 2 and forced["round_ms"] > 0
     # each part is its least over the repeats (a preempted op inflates one call, not all three)
     assert forced["parts_us"]["verify"] > 0 and forced["parts_us"]["draft"] > 0
+    # the round's time alone (bench's vanilla step): the same rounds, no profiler
+    [plain] = cost.forced_rounds([(compiled, args)], 40, TreeConfig.chain(3).path_len, repeats=1, parts=False)
+    assert plain["rounds"] == 9 - 2 and plain["round_ms"] > 0 and plain["parts_us"] == {}
 
 
 def test_loop_report_times_the_same_rounds_at_each_cache_size():
