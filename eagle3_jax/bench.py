@@ -123,7 +123,11 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     tiers with its policy, reported as ``adaptive``) on the same prompts (each timed as the
     fastest of ``repeats`` passes, compilation and each program's first run excluded:
     ``generate``'s ``warm_up``; the passes interleave the modes batch by batch); returns a
-    JSON-able report.
+    JSON-able report.  Each call is also timed stopped after its prefill (``generate``'s
+    ``time_first_token``, the fastest of the same passes): ``first_token_seconds`` per mode,
+    and ``decode_tokens_per_second`` over the tokens after each prompt's first and the time
+    after the first-token call, so that a tree's ``decode_speedup`` leaves out the prefill
+    and launch its ``speedup`` pays (and which short answers weigh).
 
     ``grade(i, tokens) -> bool`` scores prompt ``i``'s output (task accuracy per mode);
     ``categories[i]``: prompt ``i``'s category (e.g. a task family): every figure (τ,
@@ -148,6 +152,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     # per mode: per prompt tokens, per category seconds and chunk statistics (of the first pass)
     results = [([None] * len(prompts), {}, {}) for _ in modes]
     fastest: dict = {}
+    first: dict = {}  # (mode, chunk) → the fastest call stopped after the prefill
     # the passes interleave the modes chunk by chunk (in an order that rotates each pass), so
     # that a slow spell of a shared machine falls on every mode alike, not on one of them
     for r in range(repeats):
@@ -155,8 +160,10 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             for m in ((k + r) % len(modes) for k in range(len(modes))):
                 drafter_, tree = modes[m]
                 out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
-                               speculation=tree, warm_up=True, **sampling, **(generate_kw or {}))
+                               speculation=tree, warm_up=True, time_first_token=True, **sampling,
+                               **(generate_kw or {}))
                 fastest[m, c] = min(fastest.get((m, c), math.inf), out.stats["seconds"])
+                first[m, c] = min(first.get((m, c), math.inf), out.stats["first_token_seconds"])
                 if r == 0:
                     tokens, _, stats = results[m]
                     for i, t in zip(ids, out.tokens):
@@ -165,6 +172,14 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     for (m, c), sec in fastest.items():
         seconds = results[m][1]
         seconds[chunks[c][0]] = seconds.get(chunks[c][0], 0.0) + sec
+    first_s = [sum(first[m, c] for c in range(len(chunks))) for m in range(len(modes))]
+
+    def past_first(m: int, tokens: int, seconds: float) -> dict:
+        """Mode ``m``'s first-token time and its tokens/s after each prompt's first token
+        (None when the difference of the two fastest calls is not positive: timer noise)."""
+        after = seconds - first_s[m]
+        return {"first_token_seconds": first_s[m], "first_token_share": first_s[m] / seconds if seconds > 0 else None,
+                "decode_tokens_per_second": (tokens - len(prompts)) / after if after > 0 else None}
 
     def graded(tokens):
         return None if grade is None else [bool(grade(i, t)) for i, t in enumerate(tokens)]
@@ -183,6 +198,7 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     thinking = {k: v for k, v in (generate_kw or {}).items() if k.startswith("thinking")}
     everyone = range(len(prompts))
     vanilla = vanilla_row(everyone, sum(base_s.values()))
+    vanilla.update(past_first(0, vanilla["tokens"], vanilla["seconds"]))
     if cats:
         vanilla["by_category"] = {c: vanilla_row(groups[c], base_s.get(c) if timed else None) for c in cats}
     report = {"settings": {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "prompts": len(prompts), **thinking,
@@ -196,8 +212,10 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     vanilla["step_ms"] = parts[step_key]["round_ms"]
     log(f"[T={temperature}] vanilla: {vanilla['tokens']} tokens in {vanilla['seconds']:.2f}s = "
         f"{vanilla['tokens_per_second']:.1f} tok/s, step {vanilla['step_ms']:.2f} ms in the loop"
+        + (f", first token (prefill and launch) {100 * vanilla['first_token_share']:.0f}% of the time"
+           if vanilla["first_token_share"] is not None else "")
         + (f", accuracy {vanilla['accuracy']:.3f}" if grade else ""))
-    for tree, (tokens, secs, stats) in zip(trees, results[1:]):
+    for m, (tree, (tokens, secs, stats)) in enumerate(zip(trees, results[1:]), 1):
         correct = graded(tokens)
         adaptive = isinstance(tree, Speculation)
         every_batch = [s for key in batched for s in stats[key]]  # in the order of the chunks
@@ -226,6 +244,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
             return out
 
         entry = row(everyone, sum(secs.values()), every_batch, vanilla)
+        entry.update(past_first(m, entry["tokens"], entry["seconds"]))
+        rates = entry["decode_tokens_per_second"], vanilla["decode_tokens_per_second"]
+        entry["decode_speedup"] = rates[0] / rates[1] if None not in rates else None
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
@@ -256,6 +277,9 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
                       f"{entry['emit_ms'] + entry['loop_ms']:.2f}; {share})")
             if "loop_speedup" in entry:
                 detail += f", in the loop tau x step / round = {entry['loop_speedup']:.2f}x"
+        if entry["decode_speedup"] is not None:
+            detail += (f"; past the first token {entry['decode_speedup']:.2f}x (first token "
+                       f"{100 * entry['first_token_share']:.0f}% of the time)")
         log(f"[T={temperature}] eagle3 {entry['tree']['name']}: {entry['tokens_per_second']:.1f} tok/s, "
             f"speedup {entry['speedup']:.2f}x, tau {entry['tau']:.2f}, acceptance per position "
             f"{[round(r, 2) for r in entry['acceptance_rate']]}, {detail}"

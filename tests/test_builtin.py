@@ -297,8 +297,11 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
     assert e["draft_ms"] > 0 and e["verify_ms"] > 0 and len(e["acceptance_rate"]) == 4
     # the loop alone: vanilla's step and the round timed alike, in the same process
     assert greedy["vanilla"]["step_ms"] > 0 and e["loop_speedup"] > 0
+    # each call also timed stopped after its prefill: a part of the whole call's time
+    assert 0 < greedy["vanilla"]["first_token_share"] < 1 and 0 < e["first_token_seconds"] < e["seconds"]
     out = capsys.readouterr().out
     assert "ms in the loop" in out and "in the loop tau x step / round" in out
+    assert "first token (prefill and launch)" in out
     assert doc["reports"][0]["peak_memory"]["bytes"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

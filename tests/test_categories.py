@@ -161,11 +161,14 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
 
     def fake_generate(target, drafter, prompts, *, speculation=None, **kw):
         mode = "vanilla" if drafter is None else "chain2"
-        assert kw["warm_up"] is True  # each program's first run untimed
+        assert kw["warm_up"] is True and kw["time_first_token"] is True  # first run untimed; the prefill timed too
         calls.append((mode, prompts[0][0]))
         seconds = {0: 5.0, 1: 2.0, 2: 3.0}[(len(calls) - 1) // 4]  # pass 0 slow, pass 1 fastest, pass 2 between
+        first = {0: 1.0, 1: 0.5, 2: 0.25}[(len(calls) - 1) // 4]  # the first token: fastest in pass 2
         return SimpleNamespace(tokens=[[7, 8]] * len(prompts),
-                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0), "accept_lengths": [[1, 2]] * len(prompts),
+                               stats={"seconds": seconds + (0.5 if mode == "chain2" else 0.0),
+                                      "first_token_seconds": first + (0.1 if mode == "chain2" else 0.0),
+                                      "accept_lengths": [[1, 2]] * len(prompts),
                                       "accepted_per_position": [2, 1], "offered_per_position": [2, 2]})
 
     monkeypatch.setattr(bench, "generate", fake_generate)
@@ -182,13 +185,22 @@ def test_bench_passes_interleave_the_modes_and_keep_each_batchs_fastest(monkeypa
     assert report["eagle3"][0]["seconds"] == pytest.approx(2 * 2.5)
     assert report["eagle3"][0]["identical_to_vanilla"]
     assert report["eagle3"][0]["acceptance_rate"] == [1.0, 0.5]
+    # the first token: each batch's fastest of the passes; past it, 4 prompts' second tokens
+    assert report["vanilla"]["first_token_seconds"] == pytest.approx(2 * 0.25)
+    assert report["eagle3"][0]["first_token_seconds"] == pytest.approx(2 * 0.35)
+    assert report["vanilla"]["first_token_share"] == pytest.approx(0.5 / 4.0)
+    assert report["vanilla"]["decode_tokens_per_second"] == pytest.approx(4 / (4.0 - 0.5))
+    assert report["eagle3"][0]["decode_tokens_per_second"] == pytest.approx(4 / (5.0 - 0.7))
+    assert report["eagle3"][0]["decode_speedup"] == pytest.approx((4.0 - 0.5) / (5.0 - 0.7))
 
 
 def test_bench_logs_a_round_too_short_to_time_without_dividing_by_zero(monkeypatch):
     """A few tiny rounds can time at 0 ms (their difference below the timer's noise, as on a busy
     machine): the log says so instead of dividing by the parts' zero sum."""
+    # the first-token call as slow as the whole call: no time left past the first token either
     monkeypatch.setattr(bench, "generate", lambda target, drafter, prompts, **kw: SimpleNamespace(
-        tokens=[[7, 8]] * len(prompts), stats={"seconds": 1.0, "accept_lengths": [[1]] * len(prompts),
+        tokens=[[7, 8]] * len(prompts), stats={"seconds": 1.0, "first_token_seconds": 1.0,
+                                               "accept_lengths": [[1]] * len(prompts),
                                                "accepted_per_position": [1], "offered_per_position": [1]}))
     monkeypatch.setattr(bench, "round_parts", lambda *a, **kw: dict.fromkeys(
         ("round_ms", "draft_ms", "verify_ms", "catch_up_ms", "commit_ms", "emit_ms", "loop_ms"), 0.0))
@@ -197,6 +209,8 @@ def test_bench_logs_a_round_too_short_to_time_without_dividing_by_zero(monkeypat
                              batch_size=1, repeats=1, log=lines.append)
     assert report["eagle3"][0]["round_ms"] == 0.0
     assert any("eagle3 chain2" in line and "below the timer's noise" in line for line in lines)
+    assert report["eagle3"][0]["decode_speedup"] is None and report["vanilla"]["decode_tokens_per_second"] is None
+    assert not any("past the first token" in line for line in lines)
 
 
 # ---------------------------------------------------------------- the CLI with the built-in pair
