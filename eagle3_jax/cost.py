@@ -37,6 +37,7 @@ from eagle3_jax import kv_cache
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERANDS = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\([^=]*?\)|\S+) [\w-]+\((.*)")  # a result's type, its opcode
 _CALLED = re.compile(r"\b(?:condition|body|calls|to_apply|branch_computations)=(\{[^}]*\}|%\S+?)(?=[,\s]|$)")
 _NOT_COMPUTED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # aliases, no data moved
 _COPIES = {"copy", "convert", "bitcast-convert"}  # rewrite a whole buffer
@@ -48,11 +49,14 @@ def _bytes(dtype: str, dims: str) -> int:
 
 
 def op_parts(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name → the innermost round part named in its ``op_name``; an op that
-    names none (XLA's own copies and fusions carry no ``op_name``, nor do ops named outside
-    the parts) is charged to the part of the op that runs its computation (a copy inside the
-    verify's layer loop is the verify's), else ``other``."""
-    own, comp_of, callers = {}, {}, {}
+    """HLO instruction name → the innermost round part named in its ``op_name``.  An op that
+    names none (XLA's own copies, and ops it rewrote: a dot it turns into a matrix-vector
+    product loses its metadata; nor do ops named outside the parts) is charged to the one part
+    that all its users in the same computation are charged to (a draft's dot that only the
+    draft's softmax reads is the draft's); without users, or with users in several parts, to
+    the part of the op that runs its computation (a copy inside the verify's layer loop is the
+    verify's), else ``other``."""
+    own, comp_of, callers, users = {}, {}, {}, {}
     comp = None
     for line in hlo_text.splitlines():
         head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
@@ -62,18 +66,39 @@ def op_parts(hlo_text: str) -> dict[str, str]:
         m = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
         if not m:
             continue
+        name = m.group(1)
         op = _OP_NAME.search(line)
         scopes = op.group(1).split("/") if op else []
-        own[m.group(1)] = next((s for s in reversed(scopes) if s in PARTS), None)
-        comp_of[m.group(1)] = comp
+        own[name] = next((s for s in reversed(scopes) if s in PARTS), None)
+        comp_of[name] = comp
+        args = _OPERANDS.match(line)  # the operands: what follows the opcode, up to calls=/body=/...
+        for operand in re.findall(r"%([\w.-]+)", _CALLED.split(args.group(1))[0] if args else ""):
+            users.setdefault(operand, []).append(name)
         for called in _CALLED.findall(line):
             for c in re.findall(r"%(\S+?)(?:[,}]|$)", called):
-                callers.setdefault(c, m.group(1))
+                callers.setdefault(c, name)
 
-    def part(name: str | None) -> str:  # up the callers (HLO's call graph has no cycles)
-        while name is not None and own.get(name) is None:
-            name = callers.get(comp_of.get(name))
-        return "other" if name is None else own[name]
+    memo: dict[str, str] = {}
+
+    def part(name: str) -> str:  # depth-first without recursion: a loop body's data flow is long
+        stack, seen = [name], set()
+        while stack:
+            n = stack[-1]
+            if n in memo or own[n] is not None:
+                memo[n] = memo.get(n) or own[n]
+                stack.pop()
+                continue
+            mine = [u for u in users.get(n, ()) if comp_of.get(u) == comp_of[n]]
+            caller = callers.get(comp_of[n])
+            todo = [d for d in (*mine, caller) if d is not None and d not in memo]
+            if todo and n not in seen:  # resolve the users and the caller first
+                seen.add(n)
+                stack.extend(todo)
+                continue
+            named = {memo.get(u, "other") for u in mine}
+            memo[n] = named.pop() if len(named) == 1 else memo.get(caller, "other")
+            stack.pop()
+        return memo[name]
 
     return {name: part(name) for name in own}
 

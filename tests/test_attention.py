@@ -211,8 +211,13 @@ HloModule jit__run
 %round_body (r: (s32[], f32[4])) -> (s32[], f32[4]) {
   %while.4 = (s32[], f32[4]) while(%t), condition=%layer_cond, body=%layer_body, metadata={op_name="jit(_run)/while/body/verify/while"}
   %copy.5 = s32[] copy(%gte.5)
-  %fusion.6 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(_run)/while/body/catch_up/mul"}
-  ROOT %tuple.7 = (s32[], f32[4]) tuple(%copy.5, %fusion.6)
+  %fusion.6 = f32[4]{0} fusion(%x, %dot.13), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(_run)/while/body/catch_up/mul"}
+  %copy.12 = f32[4,4]{1,0} copy(%gte.12)
+  %dot.13 = f32[4]{0} dot(%x, %copy.12), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %fusion.14 = f32[4]{0} fusion(%dot.13), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(_run)/while/body/draft/exp"}
+  %dot.15 = f32[4]{0} dot(%x, %copy.12), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %fusion.16 = f32[4]{0} fusion(%dot.15, %fusion.14), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(_run)/while/body/draft/exp"}
+  ROOT %tuple.7 = (s32[], f32[4], f32[4]) tuple(%copy.5, %fusion.6, %fusion.16)
 }
 
 ENTRY %main (a: f32[4]) -> f32[4] {
@@ -249,9 +254,10 @@ def test_large_ops_names_a_fusion_once_where_it_runs():
 
 
 def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
-    """An op without a part in its ``op_name`` (XLA's copies, fusions it made) belongs to the
-    part of the op that runs its computation, through every level of nesting; ops outside
-    any part (the loop's own carry copies, the entry) are ``other``."""
+    """An op without a part in its ``op_name`` (XLA's copies, fusions it made, a dot it
+    rewrote) belongs to the one part its users name, else to the part of the op that runs its
+    computation, through every level of nesting; ops outside any part (the loop's own carry
+    copies, the entry) are ``other``."""
     parts = cost.op_parts(_HLO_PARTS)
     assert parts["copy.1"] == "verify"  # a copy XLA put in the verify's layer loop
     assert parts["fusion.2"] == "verify"
@@ -260,6 +266,9 @@ def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
     assert parts["copy.5"] == "other"  # the round loop's bookkeeping
     assert parts["fusion.6"] == "catch_up"
     assert parts["copy.8"] == "other" and parts["while.9"] == "other"
+    assert parts["dot.15"] == "draft"  # a dot XLA rewrote without metadata, read by the draft only
+    assert parts["dot.13"] == "other"  # read by the draft and by the catch-up: the round loop's
+    assert parts["copy.12"] == "other"  # its users' parts, through unnamed ones, disagree
     assert parts["copy.11"] == "draft"  # a branch of a conditional named in the draft
 
 
