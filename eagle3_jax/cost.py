@@ -71,7 +71,7 @@ def op_parts(hlo_text: str) -> dict[str, str]:
         scopes = op.group(1).split("/") if op else []
         own[name] = next((s for s in reversed(scopes) if s in PARTS), None)
         comp_of[name] = comp
-        args = _OPERANDS.match(line)  # the operands: what follows the opcode, up to calls=/body=/...
+        args = _OPERANDS.match(re.sub(r"/\*index=\d+\*/", "", line))  # what follows the opcode, up to calls=/...
         for operand in re.findall(r"%([\w.-]+)", _CALLED.split(args.group(1))[0] if args else ""):
             users.setdefault(operand, []).append(name)
         for called in _CALLED.findall(line):

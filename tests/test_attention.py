@@ -217,7 +217,9 @@ HloModule jit__run
   %fusion.14 = f32[4]{0} fusion(%dot.13), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(_run)/while/body/draft/exp"}
   %dot.15 = f32[4]{0} dot(%x, %copy.12), lhs_contracting_dims={0}, rhs_contracting_dims={0}
   %fusion.16 = f32[4]{0} fusion(%dot.15, %fusion.14), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(_run)/while/body/draft/exp"}
-  ROOT %tuple.7 = (s32[], f32[4], f32[4]) tuple(%copy.5, %fusion.6, %fusion.16)
+  %copy.17 = f32[4]{0} copy(%gte.17)
+  %while.18 = (s32[], f32[4], f32[4], f32[4], f32[4], /*index=5*/f32[4]) while(%copy.17), condition=%layer_cond, body=%layer_body, metadata={op_name="jit(_run)/while/body/verify/while"}
+  ROOT %tuple.7 = (s32[], f32[4], f32[4], f32[4]) tuple(%copy.5, %fusion.6, %fusion.16, %while.18)
 }
 
 ENTRY %main (a: f32[4]) -> f32[4] {
@@ -269,6 +271,7 @@ def test_op_parts_charges_xla_created_ops_to_the_part_that_runs_them():
     assert parts["dot.15"] == "draft"  # a dot XLA rewrote without metadata, read by the draft only
     assert parts["dot.13"] == "other"  # read by the draft and by the catch-up: the round loop's
     assert parts["copy.12"] == "other"  # its users' parts, through unnamed ones, disagree
+    assert parts["copy.17"] == "verify"  # read by the verify's loop only (a type with /*index=5*/)
     assert parts["copy.11"] == "draft"  # a branch of a conditional named in the draft
 
 
