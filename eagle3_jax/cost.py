@@ -37,7 +37,6 @@ from eagle3_jax import kv_cache
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_OPERANDS = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\([^=]*?\)|\S+) [\w-]+\((.*)")  # a result's type, its opcode
 _CALLED = re.compile(r"\b(?:condition|body|calls|to_apply|branch_computations)=(\{[^}]*\}|%\S+?)(?=[,\s]|$)")
 _NOT_COMPUTED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # aliases, no data moved
 _COPIES = {"copy", "convert", "bitcast-convert"}  # rewrite a whole buffer
@@ -71,21 +70,20 @@ def op_parts(hlo_text: str) -> dict[str, str]:
         scopes = op.group(1).split("/") if op else []
         own[name] = next((s for s in reversed(scopes) if s in PARTS), None)
         comp_of[name] = comp
-        args = _OPERANDS.match(re.sub(r"/\*index=\d+\*/", "", line))  # what follows the opcode, up to calls=/...
-        for operand in re.findall(r"%([\w.-]+)", _CALLED.split(args.group(1))[0] if args else ""):
+        # its operands: the ops it names before calls=/body=/... (a result's type names none)
+        for operand in re.findall(r"%([\w.-]+)", _CALLED.split(line[m.end():])[0]):
             users.setdefault(operand, []).append(name)
         for called in _CALLED.findall(line):
             for c in re.findall(r"%(\S+?)(?:[,}]|$)", called):
                 callers.setdefault(c, name)
 
-    memo: dict[str, str] = {}
+    memo = {name: p for name, p in own.items() if p is not None}
 
     def part(name: str) -> str:  # depth-first without recursion: a loop body's data flow is long
         stack, seen = [name], set()
         while stack:
             n = stack[-1]
-            if n in memo or own[n] is not None:
-                memo[n] = memo.get(n) or own[n]
+            if n in memo:
                 stack.pop()
                 continue
             mine = [u for u in users.get(n, ()) if comp_of.get(u) == comp_of[n]]
