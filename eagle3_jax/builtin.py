@@ -48,7 +48,7 @@ FAMILIES = ("qa", "math", "code", "tool")
 TOOLS = ("calculator", "lookup")
 EVAL_SEED = 10_000  # training seeds stay below this
 EVAL_TASKS = 200  # the held-out set: make_tasks(EVAL_TASKS, EVAL_SEED), 50 per family
-DEFAULT_TREE = "chain14"  # the best budget of the default bench on a 2-core CPU, batch 1 and 32 (README, "Decode cost")
+DEFAULT_TREE = "chain14"  # the best budget of the default bench on a 2-core CPU, batch 1 and 32 (README, "Benchmark" and "Decode cost")
 # chain14: the shipped drafter is trained on sixteen draft positions (README, "Retraining it")
 BENCH_TREES = ("chain4", "chain6", "chain14", "16,4,4", "32,6,8", "60,7,10")
 MAX_RESPONSE_TOKENS = 320  # covers every family's longest first turn (math, 12 steps: 279 tokens)
