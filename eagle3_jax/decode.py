@@ -1331,11 +1331,17 @@ class Slots:
         if self.spec is not None:
             self._state = _slot_reset_jit(self._state, loop=self._loop)
 
+    @property
+    def request_len(self) -> int:
+        """The most tokens one request can hold, prompt and new tokens: ``max_len`` less the
+        round's scratch slots."""
+        return self.max_len - self._scratch
+
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens can get in a slot (<= 0: it does not fit)."""
         if _bucket(prompt_len) > self.max_len:
             return 0
-        return self.max_len - prompt_len - self._scratch
+        return self.request_len - prompt_len
 
     def prompt_bucket(self, prompt_len: int) -> int:
         """The padded length a prompt of ``prompt_len`` tokens is prefilled at: a power of two

@@ -17,9 +17,9 @@ server), ``return_token_ids`` (the generated token ids, as vLLM's option).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
-import math
 import secrets
 import threading
 import time
@@ -36,6 +36,9 @@ from eagle3_jax.serve.engine import Engine, EngineDown, Params, QueueFull
 from eagle3_jax.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 
 MIN_TEMPERATURE = 1e-3  # below it, sampling is greedy (as eagle3_jax.decode's)
+# a request's stop strings are matched on the engine's thread at every dispatch, beside every
+# other request's: bounded (OpenAI allows 4)
+MAX_STOP, MAX_STOP_CHARS = 16, 256
 EFFORTS = ("low", "medium", "high")
 
 
@@ -49,14 +52,15 @@ class ApiError(Exception):
                  type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                             503: "server_error"}.get(status, "server_error")
+        self.type = type or ("rate_limit_error" if status == 429 else "invalid_request_error" if status < 500
+                             else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
@@ -94,7 +98,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -123,15 +127,15 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=0, lt=2 ** 32)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    n: int | None = Field(1, ge=1)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     thinking_budget: int | None = Field(None, ge=0, lt=2 ** 31)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
 
 
 class ChatRequest(_Sampling):
@@ -147,7 +151,7 @@ class CompletionRequest(_Sampling):
 _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                 "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
                 "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-                "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                 "speculation": (None,)}  # a server setting (--speculation): one compiled program serves all slots
 
 
@@ -189,8 +193,10 @@ def resolve(req: _Sampling, prompt_ids: list[int], engine: Engine, cfg: ServerCo
                     if name == "speculation" else ""
                 raise ApiError(400, f"{name} is not supported by this server (got {value!r}){hint}", name,
                                "unsupported_parameter")
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise ApiError(400, f"n: only n=1 is supported, got {req.n}", "n", "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
     slots = engine.slots
     where = "prompt" if isinstance(req, CompletionRequest) else "messages"
     if not prompt_ids:
@@ -198,7 +204,7 @@ def resolve(req: _Sampling, prompt_ids: list[int], engine: Engine, cfg: ServerCo
     room = slots.max_new_tokens_for(len(prompt_ids))
     if room <= 0:
         raise ApiError(400, f"{where}: the prompt is {len(prompt_ids)} tokens, too long for this server's context "
-                            f"(max_len {slots.max_len} tokens per request, prompt and output)", where,
+                            f"({slots.request_len} tokens per request, prompt and output)", where,
                        "context_length_exceeded")
     limit, name = req.max_tokens, "max_tokens"
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
@@ -208,16 +214,18 @@ def resolve(req: _Sampling, prompt_ids: list[int], engine: Engine, cfg: ServerCo
         limit, name = req.max_completion_tokens, "max_completion_tokens"
     if limit is not None and limit > room:
         raise ApiError(400, f"{name}={limit} is too large: a prompt of {len(prompt_ids)} tokens leaves room for at most "
-                            f"{room} new tokens (max_len {slots.max_len})", name, "context_length_exceeded")
+                            f"{room} new tokens (context {slots.request_len})", name, "context_length_exceeded")
     temperature = cfg.temperature if req.temperature is None else req.temperature
-    if not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
+    if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # greedy
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     if top_k > cfg.vocab_size:
         raise ApiError(400, f"top_k={top_k} exceeds the vocabulary ({cfg.vocab_size}); -1 or 0 turn it off", "top_k")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError(400, "stop: stop strings must be non-empty", "stop")
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
+    if any(s == "" or len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop: stop strings must be non-empty and at most {MAX_STOP_CHARS} characters", "stop")
     stop_ids = list(req.stop_token_ids or [])
     bad = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -342,6 +350,9 @@ def _finish_reason(reason: str) -> str:
 # -- the app ------------------------------------------------------------------------------
 
 
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
 class _JsonBody:
     """Reads every ``POST /v1/...`` body as JSON whatever its Content-Type (``curl -d`` sends
     form-encoded), as OpenAI's API does."""
@@ -364,6 +375,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
 
     async def lifespan(app):
         yield
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="eagle3-jax", lifespan=lifespan)
@@ -371,12 +383,15 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
     app.state.engine, app.state.config, app.state.metrics = engine, cfg, metrics
 
     def reject(err: ApiError) -> JSONResponse:
-        if metrics is not None:
+        if metrics is not None and err.status != 499:  # a request whose client left is counted as cancelled
             metrics.request_rejected(err.status)
         return err.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if metrics is not None and endpoint is not None:  # refused before its handler counted it
+            metrics.request_received(endpoint)
         return reject(_validation_error(exc))
 
     @app.exception_handler(ApiError)
@@ -398,7 +413,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "eagle3-jax", "max_model_len": engine.slots.max_len}]}
+                                            "owned_by": "eagle3-jax", "max_model_len": engine.slots.request_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -406,6 +421,13 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
             raise ApiError(404, "metrics are off", None, "not_found")
         metrics.engine_state(engine.waiting, engine.running)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # prompts are tokenized on one worker thread: a long prompt does not stall the event loop
+    # (every stream), and a fast tokenizer is not used from two threads at once
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle3-tokenize")
+
+    async def encode(fn, *args):
+        return await asyncio.wrap_future(tokenize_pool.submit(fn, *args))
 
     def submit(body: _Sampling, prompt_ids: list[int], split: bool):
         params = resolve(body, prompt_ids, engine, cfg)
@@ -429,7 +451,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
     async def chat(body: ChatRequest, request: Request):
         if metrics is not None:
             metrics.request_received("chat")
-        req = submit(body, _chat_prompt(body, tokenizer), split=True)
+        req = submit(body, await encode(_chat_prompt, body, tokenizer), split=True)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return _streaming(req, _Stream("chat", cfg.model_name, include_usage, body.return_token_ids))
@@ -444,7 +466,7 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
     async def completions(body: CompletionRequest, request: Request):
         if metrics is not None:
             metrics.request_received("completions")
-        req = submit(body, _completion_prompt(body, tokenizer, cfg.vocab_size), split=False)
+        req = submit(body, await encode(_completion_prompt, body, tokenizer, cfg.vocab_size), split=False)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return _streaming(req, _Stream("completion", cfg.model_name, include_usage, body.return_token_ids))
@@ -457,20 +479,25 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
 
 
 async def _wait(req, request: Request, poll_s: float = 0.25):
-    """The finished result of a non-streamed request; cancels it if the client goes away."""
+    """The finished result of a non-streamed request; cancels it if the client goes away
+    (looked for every ``poll_s`` seconds, while its tokens arrive too)."""
+    loop = asyncio.get_running_loop()
+    look_at = loop.time() + poll_s
     try:
         while True:
             try:
-                kind, payload = await asyncio.wait_for(req.events.get(), poll_s)
+                kind, payload = await asyncio.wait_for(req.events.get(), max(look_at - loop.time(), 0.0))
             except TimeoutError:
-                if await request.is_disconnected():
-                    req.cancel()
-                    raise ApiError(499, "the client closed the request", None, "client_closed") from None
-                continue
+                kind = None
             if kind == "done":
                 return payload
             if kind == "error":
                 raise ApiError(*payload)
+            if loop.time() >= look_at:
+                if await request.is_disconnected():
+                    req.cancel()
+                    raise ApiError(499, "the client closed the request", None, "client_closed")
+                look_at = loop.time() + poll_s
     except asyncio.CancelledError:
         req.cancel()
         raise

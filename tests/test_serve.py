@@ -240,6 +240,9 @@ def _post(server, path, body, raw=False):
     ({"n": 2}, "n", 400),
     ({"stream": "yes"}, "stream", 400),
     ({"stop": ["ok", ""]}, "stop", 400),
+    ({"stop": [f"never {i}" for i in range(17)]}, "stop", 400),
+    ({"stop": "x" * 257}, "stop", 400),
+    ({"stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"stop_token_ids": [99999]}, "stop_token_ids", 400),
     ({"thinking_budget": -3}, "thinking_budget", 400),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", 400),
@@ -271,6 +274,21 @@ def test_errors_through_the_openai_client(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="builtin", prompt=[5, 2 ** 20])
     assert e.value.body["param"] == "prompt"
+    # explicit nulls are the defaults, as OpenAI's API reads them
+    nulls = {"model": "builtin", "prompt": "Step 1:", "max_tokens": 3, "temperature": 0, "n": None, "stream": None,
+             "presence_penalty": None, "frequency_penalty": None, "return_token_ids": None, "stream_options": None}
+    r = _post(server, "/v1/completions", nulls)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    # a request refused by validation is counted as received and as rejected
+    before = httpx.get(server.url + "/metrics").text
+    r = _post(server, "/v1/chat/completions", '{"model": "builtin", "messages": [{"role": "user", "content": "hi"}], '
+                                               '"temperature": NaN}', raw=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "finite" in r.text, r.text
+    after = httpx.get(server.url + "/metrics").text
+    for name, labels in (("eagle3:requests_total", {"endpoint": "chat"}), ("eagle3:requests_rejected_total", {"code": "400"})):
+        assert _metric(after, name, **labels) == _metric(before, name, **labels) + 1, name
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     # curl -d sends a form Content-Type: the body is read as JSON all the same
     body = json.dumps({"model": "builtin", "prompt": "Step 1:", "max_tokens": 3, "temperature": 0})
     form = {"content-type": "application/x-www-form-urlencoded"}
@@ -280,6 +298,13 @@ def test_errors_through_the_openai_client(client, server):
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert [m.id for m in client.models.list()] == ["builtin"]
+    # max_model_len is what a request can hold: a prompt of that many tokens less one gets one new token
+    n = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert n == server.engine.slots.request_len < server.engine.slots.max_len
+    r = _post(server, "/v1/completions", {"model": "builtin", "prompt": [7] * (n - 1), "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    r = _post(server, "/v1/completions", {"model": "builtin", "prompt": [7] * n, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
@@ -303,7 +328,7 @@ def test_queue_full_gets_429_and_every_request_an_answer(server):
     assert len(answers) == 1 and "The answer is" in answers.pop()
     for r in responses:
         if r.status_code == 429:
-            assert r.json()["error"]["code"] == "queue_full"
+            assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
     metrics = httpx.get(server.url + "/metrics").text
     assert _metric(metrics, "eagle3:requests_rejected_total", code="429") == codes.count(429)
 

@@ -249,3 +249,42 @@ def test_engine_runs_an_admission_at_once_and_reads_its_first_token_from_the_pre
     assert slots.calls[:5] == ["insert", "run(2)", "poll(lag=1)", "run(4)", "poll(lag=1)"]
     assert first == [5] and len(result.tokens) == 40  # the first delta: the prefill's token, read by the first poll
     assert "poll(lag=0)" not in slots.calls and slots.calls.count("run(8)") >= 2
+
+
+def test_an_abandoned_request_is_cancelled_while_its_tokens_flow():
+    """``_wait`` looks for a departed client every ``poll_s`` even when events arrive more often
+    than that (a non-streamed request that is generating): it cancels the request and answers 499."""
+    import asyncio
+
+    from eagle3_jax.serve.app import ApiError, _wait
+
+    class Req:
+        def __init__(self):
+            self.events, self.cancelled = asyncio.Queue(), False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Client:
+        async def is_disconnected(self):
+            return True
+
+    async def main():
+        req = Req()
+
+        async def tokens():  # a delta every 10 ms, never done
+            while True:
+                req.events.put_nowait(("delta", None))
+                await asyncio.sleep(0.01)
+
+        feeder = asyncio.create_task(tokens())
+        try:
+            with pytest.raises(ApiError) as e:
+                await asyncio.wait_for(_wait(req, Client(), poll_s=0.05), 5.0)
+        finally:
+            feeder.cancel()
+        return req, e.value
+
+    req, err = asyncio.run(main())
+    assert err.status == 499 and req.cancelled
+
