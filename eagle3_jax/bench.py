@@ -53,7 +53,7 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list
 
 
 def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new_tokens: int = 256,
-                batch_size: int = 1, repeats: int = 3, mesh=None) -> dict:
+                batch_size: int = 1, repeats: int = 3, mesh=None, rules=None) -> dict:
     """Milliseconds per round of the speculative round and its parts, inside the compiled
     decode loop on ``prompt`` (repeated ``batch_size`` times), the tree forced for as many
     rounds as fit ``max_new_tokens`` and for a quarter of them (stop tokens ignored:
@@ -65,14 +65,14 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     shares of the same difference in op time under the profiler: ``draft`` (tree expansion),
     ``verify`` (the target's tree forward + the acceptance walk), ``catch_up`` (the drafter on
     the accepted tokens), ``commit`` (the target cache), ``emit`` (outputs, stops) and ``loop``
-    (the loop's own bookkeeping).  ``mesh``: decoded on it (as ``generate(..., mesh=)``; the
-    parts' op time summed over its devices).  ``drafter`` None: a vanilla step (``round_ms``
+    (the loop's own bookkeeping).  ``mesh``, ``rules``: decoded on it (as ``generate(...,
+    mesh=, rules=)``; the parts' op time summed over its devices).  ``drafter`` None: a vanilla step (``round_ms``
     only, not profiled)."""
     from eagle3_jax.cost import forced_rounds
     from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree,
-                                      mesh=mesh)
+                                      mesh=mesh, rules=rules)
     per_round = tree.path_len if drafter is not None else 1
     [forced] = forced_rounds([(compiled, args)], max_new_tokens, per_round, repeats=repeats, parts=drafter is not None)
     if drafter is None:
@@ -208,7 +208,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     step_key = (None, max_new_tokens, batch_size)
     if step_key not in parts:
         parts[step_key] = round_parts(target, None, prompts[0], TreeConfig(), max_new_tokens=max_new_tokens,
-                                      batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"))
+                                      batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"),
+                                      rules=(generate_kw or {}).get("rules"))
     vanilla["step_ms"] = parts[step_key]["round_ms"]
     log(f"[T={temperature}] vanilla: {vanilla['tokens']} tokens in {vanilla['seconds']:.2f}s = "
         f"{vanilla['tokens_per_second']:.1f} tok/s, step {vanilla['step_ms']:.2f} ms in the loop"
@@ -250,7 +251,8 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
         key = (tree, max_new_tokens, batch_size)
         if not adaptive and key not in parts:  # independent of the sampling settings
             parts[key] = round_parts(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"))
+                                     batch_size=batch_size, mesh=(generate_kw or {}).get("mesh"),
+                                     rules=(generate_kw or {}).get("rules"))
         entry = {"tree": {"name": "adaptive", "tiers": [tier_name(t) for t in tree.tiers]} if adaptive else
                  {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k, "name": tree_name(tree)},
                  **entry, "wall_ms_per_round": 1e3 * entry["seconds"] / max(entry["rounds"], 1), **parts.get(key, {})}

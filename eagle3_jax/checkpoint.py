@@ -34,7 +34,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
-from eagle3_jax.sharding import auto_mesh
+from eagle3_jax.sharding import SplitError, auto_mesh
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -545,6 +545,8 @@ def _param_shardings(decl, path: Path, mesh, rules, shardings) -> tuple:
         mesh = auto_mesh(mesh)
         try:
             return mesh, decl.shardings(mesh, rules)
+        except SplitError as e:
+            raise SplitError(f"{path}: {e}", e.axis) from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     shardings = dict(shardings or {})

@@ -94,9 +94,10 @@ def _load_pair(args):
         if args.drafter:
             raise ValueError("--drafter needs --target (without --target the built-in pair is used)")
         return (*builtin.load(args.dtype or "float32", attention_impl=args.attention), True)
-    mesh = _mesh(args)  # read straight onto the mesh (the built-in pair is placed by generate)
-    target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention, mesh=mesh)
-    drafter = eagle3_jax.load_drafter(args.drafter, target=target, mesh=mesh) if args.drafter else None
+    mesh, rules = _mesh(args), _rules(args)  # read straight onto the mesh (the built-in pair is placed by generate)
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention, mesh=mesh,
+                                    rules=rules)
+    drafter = eagle3_jax.load_drafter(args.drafter, target=target, mesh=mesh, rules=rules) if args.drafter else None
     return target, drafter, _tokenizer(Path(args.target)), False
 
 
@@ -144,7 +145,7 @@ def _cmd_generate(args) -> int:
         prompts = [_encode(tok, text, args.raw)]
     tree = args.tree or parse_tree(builtin.DEFAULT_TREE if is_builtin else "60,7,10")
     kw = dict(max_new_tokens=_max_new_tokens(args, is_builtin), temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, tree=tree, mesh=_mesh(args), **_thinking_kw(args, tok))
+              seed=args.seed, tree=tree, mesh=_mesh(args), rules=_rules(args), **_thinking_kw(args, tok))
 
     def timed(drafter_):  # the faster of two runs (same seed, same output): compilation and warm-up excluded
         return min((eagle3_jax.generate(target, drafter_, prompts, **kw) for _ in range(2)),
@@ -243,7 +244,8 @@ def _cmd_bench(args) -> int:
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
     if args.cost:
         doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
-                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), _mesh(args))
+                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), _mesh(args),
+                                   _rules(args))
         write_atomic(json_path, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {json_path}")
         return 0
@@ -251,7 +253,7 @@ def _cmd_bench(args) -> int:
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
                          repeats=args.repeats, grade=grade, categories=categories, parts=parts,
-                         generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args)})
+                         generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args), "rules": _rules(args)})
                for max_new in (args.max_new_tokens_sweep or [_max_new_tokens(args, is_builtin=False)]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
@@ -325,19 +327,21 @@ def _cmd_experiment(args) -> int:
     return 0
 
 
-def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None) -> dict:
+def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None, rules=None) -> dict:
     """Where a step's and a round's time goes (see ``eagle3_jax.cost``), printed and returned
-    (``mesh``: the batches it splits step on it)."""
+    (``mesh``: the batches it splits step on it, placed by ``rules``)."""
     from eagle3_jax import cost
     from eagle3_jax.bench import tree_name
 
     print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots"
           + (f"; * on the mesh {dict(mesh.shape)}" if mesh is not None else "") + "):")
     by_slots = {s: ms for (_, s), ms in cost.step_ms(target, [(1, s) for s in (256, 1024, 4096, 16384)]).items()}
-    by_batch = {b: ms for (b, _), ms in cost.step_ms(target, [(b, 256) for b in (1, 8, 32)], mesh=mesh).items()}
+    by_batch = {b: ms for (b, _), ms in cost.step_ms(target, [(b, 256) for b in (1, 8, 32)], mesh=mesh,
+                                                     rules=rules).items()}
     print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
           + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
-    print("  batch  " + "  ".join(f"{b}{'*' if cost.on_mesh(mesh, b) else ''}: {ms:.2f}" for b, ms in by_batch.items())
+    print("  batch  " + "  ".join(f"{b}{'*' if cost.on_mesh(mesh, b, rules) else ''}: {ms:.2f}"
+                                   for b, ms in by_batch.items())
           + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
     heaviest = {b: cost.step_ops(target, b) for b in (1, 32)}
     for b, ops in heaviest.items():
@@ -350,7 +354,7 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None) ->
     loops = [rep for b in batches for rep in cost.loop_report(target, drafter, prompt, tree, max_news, batch=b)]
     return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops,
             "step_mesh": None if mesh is None else {"axes": dict(mesh.shape),
-                                                    "batches": [b for b in by_batch if cost.on_mesh(mesh, b)]}}
+                                                    "batches": [b for b in by_batch if cost.on_mesh(mesh, b, rules)]}}
 
 
 def _figure_formats() -> list[str]:
@@ -492,9 +496,25 @@ def _mesh_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _rules_arg(text: str) -> dict:
+    from eagle3_jax.sharding import parse_rules
+
+    try:
+        return parse_rules(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _rules(args):
+    """The ``--rules`` of a command (``None``: the default rules)."""
+    return getattr(args, "rules", None)
+
+
 def _mesh(args):
     """The ``--mesh`` of a command, built on this process's devices (or ``None``)."""
     if getattr(args, "mesh", None) is None:
+        if _rules(args) is not None:
+            raise ValueError("--rules needs --mesh")
         return None
     from eagle3_jax.sharding import make_mesh
 
@@ -511,7 +531,7 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _common(p):
+def _common(p, mesh: bool = True):
     p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
     p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
@@ -533,10 +553,14 @@ def _common(p):
     p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
-    p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
-                   help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV heads, "
-                        "the batch over data (on CPU, simulate devices with "
-                        "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
+        p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
+                       help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
+                            "heads, the batch over data (on CPU, simulate devices with "
+                            "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+        p.add_argument("--rules", type=_rules_arg, default=None, metavar="AXIS=MESH_AXES",
+                       help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
+                            "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
 
 
@@ -593,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("experiment", help="the two-budget experiment: thinking budget B swept with speculation "
                                             "off, then vanilla vs each tier vs adaptive at chosen B; writes a report")
-    _common(exp)
+    _common(exp, mesh=False)
     exp.add_argument("--budgets", type=_budget, nargs="+", default=None, metavar="B",
                      help="step 1's thinking budgets (default 0 8 16 32 64 128 unlimited)")
     exp.add_argument("--chosen", type=_budget, nargs="+", default=None, metavar="B",
@@ -717,8 +741,11 @@ def main(argv=None) -> int:
         from safetensors import SafetensorError
         import yaml
 
+        from eagle3_jax.sharding import SplitError
+
         known = isinstance(e, INPUT_ERRORS + (SafetensorError, yaml.YAMLError))
-        print(f"eagle3-jax {args.command}: {'error' if known else 'internal error'}: {_one_line(e)}"
+        hint = f" (on the command line: --rules {e.axis}=none)" if isinstance(e, SplitError) else ""
+        print(f"eagle3-jax {args.command}: {'error' if known else 'internal error'}: {_one_line(e)}{hint}"
               + ("" if known else " (rerun with --debug for the traceback)"), file=sys.stderr)
         return 2 if known else 1
 

@@ -234,7 +234,8 @@ def _traced_parts(compiled, args, parts: dict[str, str]) -> tuple[dict[str, floa
     return dict(totals), dict(counts)
 
 
-def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, mesh=None) -> dict[tuple[int, int], float]:
+def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, mesh=None,
+            rules=None) -> dict[tuple[int, int], float]:
     """Median milliseconds of ``target.decode_step`` for each ``(batch, slots)`` of ``shapes``:
     ``batch`` sequences of ``live`` committed tokens in a cache of ``slots`` slots (the live
     length is held fixed).  The shapes take ``turns`` turns of ``calls / turns`` timed calls
@@ -243,14 +244,14 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
 
     ``mesh``: a batch that the mesh's batch axes split runs on it (the weights placed by their
     declared axes, the cache by ``kv_cache.CACHE_AXES``, as ``generate(..., mesh=)`` decodes;
-    see :func:`on_mesh`); any other batch on one device."""
+    see :func:`on_mesh`), ``rules`` overriding ``sharding.RULES``; any other batch on one device."""
     import dataclasses
     import time
 
     from eagle3_jax import sharding
 
     mesh = None if mesh is None else sharding.auto_mesh(mesh)
-    models = {shape: _step_model(target, shape[0], mesh) for shape in shapes}
+    models = {shape: _step_model(target, shape[0], mesh, rules) for shape in shapes}
     caches = {}
     for (batch, slots), (model, cache_sharding) in models.items():
         cache = model.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
@@ -269,19 +270,19 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
     return {shape: 1e3 * float(np.median(t)) for shape, t in times.items()}
 
 
-def on_mesh(mesh, batch: int) -> bool:
-    """Whether ``mesh``'s batch axes (``sharding.RULES``) split ``batch`` rows over more than
-    one device (and evenly)."""
+def on_mesh(mesh, batch: int, rules=None) -> bool:
+    """Whether ``mesh``'s batch axes (``sharding.RULES``, or ``rules`` over them) split
+    ``batch`` rows over more than one device (and evenly)."""
     from eagle3_jax import sharding
 
-    shards = sharding.batch_shards(mesh)
+    shards = sharding.batch_shards(mesh, rules)
     return shards > 1 and batch % shards == 0
 
 
-def _step_model(target, batch: int, mesh):
-    """``(target, cache sharding)`` for a decode step of ``batch`` rows: placed on ``mesh``
-    when it splits them (:func:`on_mesh`), else ``target`` as it is and ``None``."""
-    if not on_mesh(mesh, batch):
+def _step_model(target, batch: int, mesh, rules=None):
+    """``(target, cache sharding)`` for a decode step of ``batch`` rows: placed on ``mesh`` by
+    ``rules`` when it splits them (:func:`on_mesh`), else ``target`` as it is and ``None``."""
+    if not on_mesh(mesh, batch, rules):
         return target, None
     from flax import nnx
 
@@ -289,10 +290,10 @@ def _step_model(target, batch: int, mesh):
     from eagle3_jax.models.target import declare
 
     graphdef, state = nnx.split(target)
-    placed = nnx.merge(graphdef, sharding.place(state, declare(target.config), mesh))
+    placed = nnx.merge(graphdef, sharding.place(state, declare(target.config), mesh, rules))
     cfg = target.config
     shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the layout does not depend on the slots
-    return placed, kv_cache.layout(shape, mesh, name="target KV cache")
+    return placed, kv_cache.layout(shape, mesh, rules, name="target KV cache")
 
 
 def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int = 8, repeats: int = 5) -> list[dict]:

@@ -38,6 +38,15 @@ class Rule:
             raise ValueError(f"Rule.fewer={self.fewer!r}: expected 'raise' or 'replicate'")
 
 
+class SplitError(ValueError):
+    """A dimension that its rule splits over mesh axes whose device count does not divide it;
+    ``axis`` is its logical axis (a rule of ``None`` for it replicates it)."""
+
+    def __init__(self, message: str, axis: str):
+        super().__init__(message)
+        self.axis = axis
+
+
 RULES: dict[str, Rule] = {
     "batch": Rule(("data", "fsdp")),
     "vocab": Rule(("tensor",)),
@@ -113,10 +122,10 @@ def spec(shape, axes, mesh, rules: Mapping | None = None, *, units: Mapping[str,
             parts.append(None)
         else:
             what = f"{dim_size}" + (f" = {n} units of {unit}" if unit != 1 else "")
-            raise ValueError(
+            raise SplitError(
                 f"{name}: dimension {dim} (logical axis {axis!r}, size {what}) cannot be split over mesh axes "
                 f"{'×'.join(mesh_axes)} ({devices} devices) of mesh {_show_mesh(mesh)}; choose another mesh or give "
-                f"rules={{{axis!r}: ...}} (e.g. None to replicate it)")
+                f"rules={{{axis!r}: ...}} (e.g. None to replicate it)", axis)
     return P(*parts)
 
 
@@ -156,6 +165,31 @@ def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> jax.sharding
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"mesh axis {axis}={size!r}: expected a positive integer")
     return jax.sharding.AbstractMesh((data, fsdp, tensor), MESH_AXES)
+
+
+def parse_rules(text: str) -> dict[str, tuple[str, ...] | None]:
+    """``"vocab=none,mlp=fsdp+tensor"`` → ``{"vocab": None, "mlp": ("fsdp", "tensor")}``:
+    ``rules`` overrides of :data:`RULES` as a command line gives them (``none``: replicated)."""
+    out = {}
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        m = re.fullmatch(r"(\w+)\s*=\s*([\w+]+)", item)
+        if not m:
+            raise ValueError(f"rules {text!r}: expected axis=mesh_axes items separated by commas, e.g. vocab=none "
+                             "or mlp=fsdp+tensor")
+        axis, value = m.group(1), m.group(2)
+        if axis not in RULES:
+            raise ValueError(f"rules {text!r}: unknown logical axis {axis!r}; expected some of {', '.join(RULES)}")
+        if axis in out:
+            raise ValueError(f"rules {text!r}: axis {axis!r} given twice")
+        mesh_axes = () if value.lower() == "none" else tuple(value.split("+"))
+        bad = [a for a in mesh_axes if a not in MESH_AXES]
+        if bad or len(set(mesh_axes)) != len(mesh_axes):
+            raise ValueError(f"rules {text!r}: {axis}={value}: expected none or mesh axes joined by + "
+                             f"(some of {', '.join(MESH_AXES)}, each once)")
+        out[axis] = mesh_axes or None
+    if not out:
+        raise ValueError(f"rules {text!r}: expected axis=mesh_axes items, e.g. vocab=none")
+    return out
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -52,6 +52,7 @@ def run(cache_lens, tree_sizes, batches, *, heads=32, kv_heads=8, head_dim=128, 
     rows = []
     kernel = pick_kernel(dtype, head_dim, interpret)
     peak = peak_bandwidth()
+    print(f"kernel: {_kernel_name(kernel)} on {jax.devices()[0].device_kind}", flush=True)
     for S, T, B in itertools.product(cache_lens, tree_sizes, batches):
         rng = np.random.default_rng(0)
         arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
@@ -97,11 +98,14 @@ def main(argv=None):
     p.add_argument("--interpret", choices=("tpu", "gpu"), help="run that kernel in its CPU interpreter")
     p.add_argument("--json", help="write the table here")
     args = p.parse_args(argv)
+    if pick_kernel(jnp.bfloat16, 128, args.interpret) is None and not args.quick:
+        print(f"no tree-attention kernel runs on {jax.default_backend()}: the full grid times the reference and the "
+              "XLA path only (many minutes on a CPU); --quick is a smoke run, --interpret gpu|tpu runs a kernel in "
+              "its CPU interpreter", flush=True)
     if args.quick:
         report = run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret=args.interpret, reps=2)
     else:
         report = run([1024, 4096, 16384, 32768], [16, 32, 64], [1, 8, 32], interpret=args.interpret)
-    print(f"kernel: {report['kernel']} on {report['device']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -66,6 +66,10 @@ CASES = [
     (["generate", "--prompt-ids", "1", "--dtype", "fp8"], ["--dtype", "'fp8'"]),
     (["generate", "--prompt-ids", "1", "--attention", "flash"], ["--attention", "'flash'"]),
     (["generate", "--prompt-ids", "1", "--bogus"], ["--bogus"]),
+    (["generate", "--prompt-ids", "1", "--mesh", "data=1", "--rules", "nope=none"], ["--rules", "'nope'"]),
+    (["generate", "--prompt-ids", "1", "--mesh", "data=1", "--rules", "vocab=pipe"], ["--rules", "mesh axes"]),
+    (["generate", "--prompt-ids", "1", "--target", "{target}", "--rules", "vocab=none"], ["--rules needs --mesh"]),
+    (["experiment", "--mesh", "data=2"], ["--mesh"]),
     # generate: prompts and checkpoints
     (["generate"], ["give a prompt"]),
     (["generate", "hello", "--prompt-ids", "1,2"], ["PROMPT", "--prompt-ids"]),

@@ -25,9 +25,11 @@ ROOT = Path(__file__).parent.parent
 
 def test_sharded_load_on_eight_devices():
     script = textwrap.dedent(f"""
+        import contextlib, io
         import numpy as np, jax
         import eagle3_jax
-        from eagle3_jax.sharding import Rule, make_mesh
+        from eagle3_jax import cli
+        from eagle3_jax.sharding import Rule, SplitError, make_mesh
         F = {str(FIXTURES)!r}
         assert len(jax.devices()) == 8
 
@@ -69,10 +71,19 @@ def test_sharded_load_on_eight_devices():
         # a dimension the mesh cannot split raises before any tensor is read, naming it all
         try:
             eagle3_jax.load_target(F + "/target_tiny", mesh=make_mesh(1, 1, 8), rules={{"kv_heads": Rule(("tensor",))}})
-        except ValueError as e:
+        except SplitError as e:
             assert "target_tiny: wk: dimension 2 (logical axis 'kv_heads'" in str(e) and "tensor=8" in str(e), e
+            assert e.axis == "kv_heads"
         else:
             raise AssertionError("no error")
+
+        # the command line: --rules reaches the load, and its error says how to replicate the axis there
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli.main(["generate", "--prompt-ids", "1,2,3", "--target", F + "/target_tiny", "--mesh", "tensor=8",
+                           "--rules", "kv_heads=tensor"])
+        assert rc == 2 and "target_tiny: wk:" in err.getvalue() and "(on the command line: --rules kv_heads=none)" in \
+            err.getvalue(), err.getvalue()
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",

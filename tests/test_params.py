@@ -128,6 +128,21 @@ def test_parse_mesh():
             sharding.parse_mesh(bad)
 
 
+def test_parse_rules():
+    assert sharding.parse_rules("vocab=none,mlp=fsdp+tensor") == {"vocab": None, "mlp": ("fsdp", "tensor")}
+    assert sharding.parse_rules(" heads = tensor ") == {"heads": ("tensor",)}
+    for bad, why in (("vocab=none,vocab=tensor", "twice"), ("nope=none", "unknown logical axis 'nope'"),
+                     ("vocab=pipe", "mesh axes"), ("vocab=tensor+tensor", "each once"), ("vocab", "axis=mesh_axes"),
+                     ("", "axis=mesh_axes"), ("vocab=", "axis=mesh_axes")):
+        with pytest.raises(ValueError, match=why):
+            sharding.parse_rules(bad)
+    # what it gives is what rules= takes: a vocabulary that tensor=4 does not divide, replicated
+    with pytest.raises(sharding.SplitError, match="'vocab'") as e:
+        sharding.spec((910, 128), ("vocab", "embed"), mesh(tensor=4))
+    assert e.value.axis == "vocab"
+    assert sharding.spec((910, 128), ("vocab", "embed"), mesh(tensor=4), sharding.parse_rules("vocab=none")) == P(None, None)
+
+
 def test_former_tables_derive_from_the_declarations():
     assert sharding.TARGET_AXES == target_mod.logical_axes() and sharding.TARGET_AXES["bq"] == ("layers", "heads")
     assert sharding.DRAFTER_AXES["embed"] == ("vocab", "embed")
