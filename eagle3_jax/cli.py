@@ -505,6 +505,17 @@ def _rules_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _MergeRules(argparse.Action):
+    """``--rules`` given more than once: the overrides together (an axis once)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        rules = dict(getattr(namespace, self.dest, None) or {})
+        twice = sorted(set(rules) & set(values))
+        if twice:
+            raise argparse.ArgumentError(self, f"axis {twice[0]!r} given twice")
+        setattr(namespace, self.dest, {**rules, **values})
+
+
 def _rules(args):
     """The ``--rules`` of a command (``None``: the default rules)."""
     return getattr(args, "rules", None)
@@ -558,7 +569,7 @@ def _common(p, mesh: bool = True):
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
                             "heads, the batch over data (on CPU, simulate devices with "
                             "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-        p.add_argument("--rules", type=_rules_arg, default=None, metavar="AXIS=MESH_AXES",
+        p.add_argument("--rules", type=_rules_arg, action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
                        help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
                             "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
@@ -744,7 +755,11 @@ def main(argv=None) -> int:
         from eagle3_jax.sharding import SplitError
 
         known = isinstance(e, INPUT_ERRORS + (SafetensorError, yaml.YAMLError))
-        hint = f" (on the command line: --rules {e.axis}=none)" if isinstance(e, SplitError) else ""
+        hint = ""
+        if isinstance(e, SplitError) and hasattr(args, "rules"):  # a command that takes --rules
+            rules = {**(args.rules or {}), e.axis: None}
+            hint = " (on the command line: --rules " + ",".join(
+                f"{k}={'+'.join(v.mesh_axes) if v else 'none'}" for k, v in rules.items()) + ")"
         print(f"eagle3-jax {args.command}: {'error' if known else 'internal error'}: {_one_line(e)}{hint}"
               + ("" if known else " (rerun with --debug for the traceback)"), file=sys.stderr)
         return 2 if known else 1

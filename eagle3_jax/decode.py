@@ -1337,6 +1337,12 @@ class Slots:
         round's scratch slots."""
         return self.max_len - self._scratch
 
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt a slot takes, with room for one new token: at most
+        ``request_len - 1``, and ``max_len`` rounded down to 32 (its prefill's bucket)."""
+        return min(self.request_len - 1, self._top_bucket)
+
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens can get in a slot (<= 0: it does not fit)."""
         if _bucket(prompt_len) > self.max_len:

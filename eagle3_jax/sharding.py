@@ -167,9 +167,11 @@ def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> jax.sharding
     return jax.sharding.AbstractMesh((data, fsdp, tensor), MESH_AXES)
 
 
-def parse_rules(text: str) -> dict[str, tuple[str, ...] | None]:
-    """``"vocab=none,mlp=fsdp+tensor"`` → ``{"vocab": None, "mlp": ("fsdp", "tensor")}``:
-    ``rules`` overrides of :data:`RULES` as a command line gives them (``none``: replicated)."""
+def parse_rules(text: str) -> dict[str, Rule | None]:
+    """``"vocab=none,mlp=fsdp+tensor"`` → ``{"vocab": None, "mlp": Rule(("fsdp", "tensor"))}``:
+    ``rules`` overrides of :data:`RULES` as a command line gives them (``none``: replicated;
+    an axis keeps its default rule's ``fewer``, e.g. query heads fewer than the tensor
+    devices replicated)."""
     out = {}
     for item in filter(None, (s.strip() for s in str(text).split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*([\w+]+)", item)
@@ -186,7 +188,8 @@ def parse_rules(text: str) -> dict[str, tuple[str, ...] | None]:
         if bad or len(set(mesh_axes)) != len(mesh_axes):
             raise ValueError(f"rules {text!r}: {axis}={value}: expected none or mesh axes joined by + "
                              f"(some of {', '.join(MESH_AXES)}, each once)")
-        out[axis] = mesh_axes or None
+        # the axis keeps what its default rule does with fewer units than devices
+        out[axis] = Rule(mesh_axes, RULES[axis].fewer) if mesh_axes else None
     if not out:
         raise ValueError(f"rules {text!r}: expected axis=mesh_axes items, e.g. vocab=none")
     return out

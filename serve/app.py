@@ -112,7 +112,7 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _Sampling(_Strict):
@@ -203,9 +203,9 @@ def resolve(req: _Sampling, prompt_ids: list[int], engine: Engine, cfg: ServerCo
         raise ApiError(400, f"{where}: the prompt is empty", where)
     room = slots.max_new_tokens_for(len(prompt_ids))
     if room <= 0:
-        raise ApiError(400, f"{where}: the prompt is {len(prompt_ids)} tokens, too long for this server's context "
-                            f"({slots.request_len} tokens per request, prompt and output)", where,
-                       "context_length_exceeded")
+        raise ApiError(400, f"{where}: the prompt is {len(prompt_ids)} tokens, too long for this server: prompts of "
+                            f"up to {slots.max_prompt_len} tokens, {slots.request_len} per request with the output",
+                       where, "context_length_exceeded")
     limit, name = req.max_tokens, "max_tokens"
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:

@@ -68,6 +68,8 @@ CASES = [
     (["generate", "--prompt-ids", "1", "--bogus"], ["--bogus"]),
     (["generate", "--prompt-ids", "1", "--mesh", "data=1", "--rules", "nope=none"], ["--rules", "'nope'"]),
     (["generate", "--prompt-ids", "1", "--mesh", "data=1", "--rules", "vocab=pipe"], ["--rules", "mesh axes"]),
+    (["generate", "--prompt-ids", "1", "--mesh", "data=1", "--rules", "vocab=none", "--rules", "mlp=none,vocab=tensor"],
+     ["--rules", "'vocab' given twice"]),
     (["generate", "--prompt-ids", "1", "--target", "{target}", "--rules", "vocab=none"], ["--rules needs --mesh"]),
     (["experiment", "--mesh", "data=2"], ["--mesh"]),
     # generate: prompts and checkpoints

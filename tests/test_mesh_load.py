@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import eagle3_jax
+from eagle3_jax import builtin
 from eagle3_jax.sharding import make_mesh
 from helpers import FIXTURES
 
@@ -31,6 +32,7 @@ def test_sharded_load_on_eight_devices():
         from eagle3_jax import cli
         from eagle3_jax.sharding import Rule, SplitError, make_mesh
         F = {str(FIXTURES)!r}
+        B = {str(builtin.TARGET_DIR)!r}
         assert len(jax.devices()) == 8
 
         def check(model, ref, expect):
@@ -77,13 +79,16 @@ def test_sharded_load_on_eight_devices():
         else:
             raise AssertionError("no error")
 
-        # the command line: --rules reaches the load, and its error says how to replicate the axis there
+        # the command line: the built-in target's 910 ids do not split over tensor=8, and the error
+        # says which --rules replicates them (with the rules already given); with them, it loads
+        # and decodes (vanilla), the --rules given twice merged
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            rc = cli.main(["generate", "--prompt-ids", "1,2,3", "--target", F + "/target_tiny", "--mesh", "tensor=8",
-                           "--rules", "kv_heads=tensor"])
-        assert rc == 2 and "target_tiny: wk:" in err.getvalue() and "(on the command line: --rules kv_heads=none)" in \
-            err.getvalue(), err.getvalue()
+            rc = cli.main(["generate", "--prompt-ids", "1,2,3", "--target", B, "--mesh", "tensor=8", "--rules", "mlp=tensor"])
+        assert rc == 2 and "target: embed: dimension 0 (logical axis 'vocab'" in err.getvalue() and \
+            "(on the command line: --rules mlp=tensor,vocab=none)" in err.getvalue(), err.getvalue()
+        assert cli.main(["generate", "--prompt-ids", "1,2,3", "--target", B, "--mesh", "tensor=8", "--rules", "mlp=tensor",
+                         "--rules", "vocab=none", "--max-new-tokens", "2", "--no-compare"]) == 0
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",

@@ -129,8 +129,11 @@ def test_parse_mesh():
 
 
 def test_parse_rules():
-    assert sharding.parse_rules("vocab=none,mlp=fsdp+tensor") == {"vocab": None, "mlp": ("fsdp", "tensor")}
-    assert sharding.parse_rules(" heads = tensor ") == {"heads": ("tensor",)}
+    assert sharding.parse_rules("vocab=none,mlp=fsdp+tensor") == {"vocab": None, "mlp": sharding.Rule(("fsdp", "tensor"))}
+    # an axis keeps its default rule's fewer: 2 query heads on tensor=4 stay replicated, as by default
+    assert sharding.parse_rules(" heads = tensor ") == {"heads": sharding.Rule(("tensor",), "replicate")}
+    assert sharding.spec((2 * 64,), ("heads",), mesh(tensor=4), sharding.parse_rules("heads=tensor"),
+                         units={"heads": 64}) == P(None)
     for bad, why in (("vocab=none,vocab=tensor", "twice"), ("nope=none", "unknown logical axis 'nope'"),
                      ("vocab=pipe", "mesh axes"), ("vocab=tensor+tensor", "each once"), ("vocab", "axis=mesh_axes"),
                      ("", "axis=mesh_axes"), ("vocab=", "axis=mesh_axes")):

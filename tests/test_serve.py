@@ -279,6 +279,8 @@ def test_errors_through_the_openai_client(client, server):
              "presence_penalty": None, "frequency_penalty": None, "return_token_ids": None, "stream_options": None}
     r = _post(server, "/v1/completions", nulls)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = _post(server, "/v1/completions", {**nulls, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
     # a request refused by validation is counted as received and as rejected
     before = httpx.get(server.url + "/metrics").text
     r = _post(server, "/v1/chat/completions", '{"model": "builtin", "messages": [{"role": "user", "content": "hi"}], '

@@ -116,6 +116,13 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
         Slots(target, None, num_slots=1, max_len=10 ** 6)
     with pytest.raises(ValueError, match="max_len=40 leaves no room"):
         Slots(target, drafter, num_slots=1, max_len=40, speculation=TreeConfig(16, 4, 4))
+    # what a slot holds: request_len tokens, a prompt of at most max_prompt_len (its bucket must fit)
+    for max_len, tree in ((100, TreeConfig.chain(4)), (131, TreeConfig(16, 4, 4)), (100, None)):
+        s = Slots(target, drafter if tree else None, num_slots=1, max_len=max_len, speculation=tree)
+        assert s.request_len == max_len - (tree.scratch if tree else 1)
+        assert s.max_prompt_len == min(s.request_len - 1, max_len // 32 * 32)
+        assert s.max_new_tokens_for(s.max_prompt_len) >= 1 and s.max_new_tokens_for(s.max_prompt_len + 1) <= 0
+        assert s.max_prompt_len + s.max_new_tokens_for(s.max_prompt_len) <= s.request_len
     slots.run(20)
     v = slots.poll()[0]
     assert v.done and v.finish_reason in ("stop", "length") and len(v.tokens) <= 8
