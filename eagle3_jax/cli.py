@@ -487,22 +487,19 @@ def _tree(text: str):
                                          f"(e.g. chain4){detail}") from None
 
 
-def _mesh_arg(text: str) -> dict:
-    from eagle3_jax.sharding import parse_mesh
+def _sharding_arg(name: str):
+    """An argparse type: ``eagle3_jax.sharding``'s parser ``name`` (``parse_mesh``,
+    ``parse_rules``), its ``ValueError`` as the argument's error."""
 
-    try:
-        return parse_mesh(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def parse(text: str) -> dict:
+        from eagle3_jax import sharding
 
+        try:
+            return getattr(sharding, name)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
-def _rules_arg(text: str) -> dict:
-    from eagle3_jax.sharding import parse_rules
-
-    try:
-        return parse_rules(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 class _MergeRules(argparse.Action):
@@ -565,11 +562,11 @@ def _common(p, mesh: bool = True):
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
     if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
-        p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
+        p.add_argument("--mesh", type=_sharding_arg("parse_mesh"), default=None, metavar="AXES",
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
                             "heads, the batch over data (on CPU, simulate devices with "
                             "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-        p.add_argument("--rules", type=_rules_arg, action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
+        p.add_argument("--rules", type=_sharding_arg("parse_rules"), action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
                        help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
                             "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
