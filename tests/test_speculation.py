@@ -57,11 +57,12 @@ def test_policy_follows_expected_tokens_per_ms(pair, round_ms, want):
     with the most expected tokens per millisecond (chain4 commits ~4 tokens a round for 1 ms;
     nothing beats a plain step that costs 100× less)."""
     target, drafter, tok, prompts = pair
-    spec = Speculation(TIERS, warmup=1, cooldown=1)
-    res = eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=96, speculation=spec, round_ms=round_ms)
+    spec = Speculation(TIERS, warmup=1, cooldown=1, probe=0)  # no tries of drafting from plain rounds (their own test is below)
+    # the math prompt: 96 new tokens of thinking, so that every tier runs a dozen rounds or more
+    res = eagle3_jax.generate(target, drafter, prompts[1:2], max_new_tokens=96, speculation=spec, round_ms=round_ms)
     rest = _after_warmup(res, spec)
-    assert rest and rest.count(want) >= len(rest) - 1, rest
-    vanilla = eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=96)
+    assert len(rest) >= 12 and set(rest) == {want}, rest
+    vanilla = eagle3_jax.generate(target, None, prompts[1:2], max_new_tokens=96)
     assert res.tokens == vanilla.tokens
     # acceptance per draft position counts only the rounds whose tier drafted that position:
     # position 5 is offered by (16,4,4) rounds, never by chain4's
@@ -99,15 +100,49 @@ def test_deeper_positions_keep_their_estimate_while_a_shorter_chain_runs():
     assert int(ctl.tier) == 2  # about 6.9 tokens in 1.65 ms beat 5 in 1.35 ms
 
 
-def test_cooldown_and_bounds(pair):
+def test_min_tier_holds_in_the_loop(pair):
+    """No tier below ``min_tier`` runs, however cheap: plain rounds at 0.001 ms would win."""
     target, drafter, tok, prompts = pair
     spec = Speculation(TIERS, warmup=1, cooldown=5, min_tier=1)
     res = eagle3_jax.generate(target, drafter, prompts[:2], max_new_tokens=96, speculation=spec,
                               round_ms=(0.001, 1.0, 1.2))
     rest = _after_warmup(res, spec)
-    assert "none" not in rest  # below min_tier, however cheap
-    changes = [i for i in range(1, len(rest)) if rest[i] != rest[i - 1]]
-    assert all(b - a >= 5 for a, b in zip([-5] + changes, changes))
+    assert rest and "none" not in rest
+
+
+def _tiers_chosen(cooldown: int, min_tier: int, rounds: int = 60) -> list[int]:
+    """The policy's tier after each of ``rounds`` rounds over no drafting (0.001 ms), chain2
+    (1 ms) and chain6 (1.6 ms), warm-up 1, whose drafts are all accepted in blocks of 8
+    rounds and all rejected in the blocks between: a policy free to switch at every round
+    leaves chain6 for one round late in each rejected block."""
+    import jax.numpy as jnp
+
+    tiers = (None, TreeConfig.chain(2), TreeConfig.chain(6))
+    spec = Speculation(tiers, warmup=1, cooldown=cooldown, min_tier=min_tier)
+    ctl = speculation.init(spec, (0.001, 1.0, 1.6))
+    chosen = []
+    for r in range(rounds):
+        drafts = 0 if tiers[int(ctl.tier)] is None else tiers[int(ctl.tier)].path_len - 1
+        accepted = drafts if (r // 8) % 2 == 0 else 0
+        ctl = speculation.update(ctl, spec, jnp.full((1,), accepted), jnp.ones((1,), bool))
+        chosen.append(int(ctl.tier))
+    return chosen
+
+
+def test_cooldown_spaces_the_switches():
+    """After a switch the policy keeps its tier for ``cooldown`` rounds: the same rounds that
+    make it switch back after one round with a cooldown of 1 keep each tier 5 rounds with 5;
+    and ``min_tier`` keeps it off the plain rounds it would otherwise take at 0.001 ms."""
+    def switches(chosen):
+        return [i for i in range(1, len(chosen)) if chosen[i] != chosen[i - 1]]
+
+    free = switches(_tiers_chosen(cooldown=1, min_tier=1))
+    assert any(b - a < 5 for a, b in zip(free, free[1:])), free  # these rounds do pull it back at once
+    held = _tiers_chosen(cooldown=5, min_tier=1)
+    gaps = switches(held)
+    assert len(gaps) >= 4 and all(b - a >= 5 for a, b in zip(gaps, gaps[1:])), held
+    assert min(held) == 1  # never below min_tier
+    assert 0 in _tiers_chosen(cooldown=5, min_tier=0)  # where no drafting is allowed, it wins
 
 
 def test_poor_drafter_falls_back_to_no_drafting():

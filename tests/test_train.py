@@ -125,6 +125,12 @@ def test_offline_cache_trains_like_online(tmp_path):
         losses[offline] = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(3)]
     assert (tmp_path / "True" / "offline" / "features.npy").exists()
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    # and what offline steps train on is the cache: zeroed, the same first step gives another loss
+    cfg = FitConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, ttt_length=2, offline=True)
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+    tr = Trainer(target, drafter, _records(), cfg, work_dir=tmp_path / "zeroed")
+    tr.cached = {name: np.zeros_like(table) for name, table in tr.cached.items()}
+    assert abs(float(tr.train_step(next(tr.data_iter))["loss"]) - losses[True][0]) > 1e-3
 
 
 def test_length_buckets_cut_batches():
