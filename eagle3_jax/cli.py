@@ -487,6 +487,18 @@ def _tree(text: str):
                                          f"(e.g. chain4){detail}") from None
 
 
+class _Trees(argparse.Action):
+    """``--tree A B ...``: each budget once (an adaptive policy takes them as its tiers)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from eagle3_jax.speculation import tier_name
+
+        for i, tree in enumerate(values):
+            if tree in values[:i]:
+                raise argparse.ArgumentError(self, f"{tier_name(tree)} given twice")
+        setattr(namespace, self.dest, values)
+
+
 def _sharding_arg(name: str):
     """An argparse type: ``eagle3_jax.sharding``'s parser ``name`` (``parse_mesh``,
     ``parse_rules``), its ``ValueError`` as the argument's error."""
@@ -602,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(bench)
     bench.add_argument("--temperature", type=temperature, nargs="+", help="one report per temperature (default: 0 "
                                                                           "and 0.7 for the built-in pair, else 0)")
-    bench.add_argument("--tree", type=_tree, nargs="+", help="tree budgets TOTAL,DEPTH,TOPK or chainN")
+    bench.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="tree budgets TOTAL,DEPTH,TOPK or chainN")
     bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
     bench.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
                        help=f"first N eval tasks of the built-in pair (default {BUILTIN_PROMPTS}: the families take "
@@ -630,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="step 1's thinking budgets (default 0 8 16 32 64 128 unlimited)")
     exp.add_argument("--chosen", type=_budget, nargs="+", default=None, metavar="B",
                      help="step 2's budgets (default 16 64 unlimited)")
-    exp.add_argument("--tree", type=_tree, nargs="+", help="static tiers (default chain4 chain6 16,4,4)")
+    exp.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="static tiers (default chain4 chain6 16,4,4)")
     exp.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
     exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
                      help=f"first N prompts (default: all --prompts, or the built-in eval set's first {BUILTIN_PROMPTS})")
@@ -666,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="R", help="arrival rates in requests per second")
     rep.add_argument("--requests", type=_number(int, "requests", lo=1), default=64, metavar="N",
                      help="requests per mode and rate (the eval prompts, cycled)")
-    rep.add_argument("--tree", type=_tree, nargs="+", help="static tiers (default chain4 chain6 16,4,4)")
+    rep.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="static tiers (default chain4 chain6 16,4,4)")
     rep.add_argument("--max-tokens", type=_number(int, "max-tokens", lo=1), default=256, help="per request")
     rep.add_argument("--temperature", type=_number(float, "temperature", lo=0.0), default=0.0)
     rep.add_argument("--ttft-slo", type=_number(float, "ttft-slo", lo=0.0, lo_open=True), default=1.0, metavar="S",

@@ -45,7 +45,7 @@ PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of 
 class Speculation:
     """Speculative-budget tiers and the policy that picks one per round.
 
-    ``tiers``: ``TreeConfig`` s and ``None`` (no drafting); ``policy``: ``"adaptive"`` or
+    ``tiers``: ``TreeConfig`` s and ``None`` (no drafting), each at most once; ``policy``: ``"adaptive"`` or
     ``"fixed"`` (always ``tiers[0]``); ``warmup``: rounds on the longest chain before adapting;
     ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
     indices the policy may choose from; ``probe``: after this many rounds without drafting,
@@ -71,6 +71,9 @@ class Speculation:
         for i, t in enumerate(tiers):
             if t is not None and not isinstance(t, TreeConfig):
                 raise TypeError(f"speculation.tiers[{i}] must be a TreeConfig or None, got {type(t).__name__}")
+            if t in tiers[:i]:  # each tier is one inner loop of the policy's, found by its value
+                raise ValueError(f"speculation.tiers[{i}] repeats tiers[{tiers.index(t)}] "
+                                 f"({'no drafting' if t is None else tier_name(t)}): give each tier once")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
 
