@@ -489,13 +489,22 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
     return out
 
 
-_run_jit = jax.jit(_run, static_argnums=(0, 2),
+def _run_jit():
+    """A jit of :func:`_run` of its own, so that JAX's tracing, lowering and compilation caches
+    (keyed weakly on the function) let its program go with the last reference to it: a jit
+    kept for the process would keep every program it ever compiled (on XLA:CPU, hundreds to
+    thousands of memory mappings each, against a default limit of 65530 per process)."""
+    @functools.wraps(_run)  # the same name (``jit(_run)`` in profiles) and signature
+    def run(*args, **kw):
+        return _run(*args, **kw)
+
+    return jax.jit(run, static_argnums=(0, 2),
                    static_argnames=("max_len", "max_new", "stop_ids", "sampling", "spec", "thinking", "cache_shardings",
                                     "phases"))
 
 
 # Compiled loops, least recently used first.  Each holds its executable (and its
-# constants) in memory, so the number kept is bounded.
+# constants) in memory, so the number kept is bounded; one evicted is freed (``_run_jit``).
 COMPILE_CACHE_SIZE = 16
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 _ROUND_MS: dict = {}  # id(compiled) → measured milliseconds per round of each speculation tier
@@ -513,7 +522,7 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
         spec = jax.ShapeDtypeStruct
         batch = spec(prompt_shape[:1], jnp.int32)
         tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
-        _COMPILED[cache_key] = _run_jit.lower(
+        _COMPILED[cache_key] = _run_jit().lower(
             tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
             spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32),
             jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
@@ -527,7 +536,8 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
 
 def clear_compiled():
     """Drops the compiled loops kept for reuse (and their measured round costs), freeing their
-    executables' memory once nothing else holds them (``jax.clear_caches`` does not reach these)."""
+    executables' memory once nothing else holds them: JAX's caches do not (each was compiled by
+    a jit of its own, :func:`_run_jit`), and ``jax.clear_caches`` does not reach these."""
     _COMPILED.clear()
     _ROUND_MS.clear()
     _RAN.clear()

@@ -39,3 +39,30 @@ def test_clear_compiled_unmaps_the_loops_kernels():
     assert _maps() - before < grown // 4
     again = eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=eagle3_jax.TreeConfig(8, 3, 3))
     assert again.tokens == first.tokens
+
+
+@pytest.mark.skipif(not MAPS.exists(), reason="counts the memory maps of /proc/self/maps (Linux)")
+def test_a_dropped_loop_unmaps_its_kernels_without_clearing_jax(monkeypatch):
+    """The cache of compiled loops bounds their memory by itself: a loop it evicts, or that
+    ``clear_compiled`` drops, is unmapped without ``jax.clear_caches`` (JAX's own caches do
+    not keep it), so that a process compiling many loops stays within the limit on maps."""
+    from collections import OrderedDict
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+    monkeypatch.setattr(eagle3_jax.decode, "COMPILE_CACHE_SIZE", 1)
+    monkeypatch.setattr(eagle3_jax.decode, "_COMPILED", OrderedDict())
+    jax.clear_caches()
+    gc.collect()
+    before = _maps()
+    tree = eagle3_jax.TreeConfig(8, 3, 3)
+    eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=tree)
+    one = _maps() - before
+    assert one > 100  # the loop's kernels
+    for n in (9, 10, 11):  # each a loop of its own, evicting the one before
+        eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=n, tree=tree)
+    gc.collect()
+    assert len(eagle3_jax.decode._COMPILED) == 1 and _maps() - before < 2 * one  # one loop's maps, not four
+    eagle3_jax.decode.clear_compiled()
+    gc.collect()
+    assert _maps() - before < one // 4
