@@ -740,9 +740,14 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, to
     seqs = prompt_rows(prompts, vocab, tokenizer)
     speculation = _speculation_arg(target, drafter, Speculation.fixed(tree) if speculation is None else speculation)
     if round_ms is not None:
-        round_ms = np.asarray(round_ms, np.float64)
-        if round_ms.shape != (len(speculation.tiers),) or not np.isfinite(round_ms).all() or (round_ms <= 0).any():
-            raise ValueError(f"round_ms: need one positive time per tier ({len(speculation.tiers)}), got {round_ms.tolist()}")
+        given = round_ms
+        try:
+            round_ms = np.asarray(round_ms, np.float64)
+        except (TypeError, ValueError):
+            round_ms = None
+        if round_ms is None or round_ms.shape != (len(speculation.tiers),) or not np.isfinite(round_ms).all() \
+                or (round_ms <= 0).any():
+            raise ValueError(f"round_ms: need one positive time per tier ({len(speculation.tiers)}), got {given!r}")
     rows = len(seqs)
     if mesh is not None:  # pad the batch to a multiple of the devices it is split over
         mesh = sharding.auto_mesh(mesh)

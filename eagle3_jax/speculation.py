@@ -29,6 +29,7 @@ The adaptive policy maximises expected committed tokens per millisecond:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import jax
@@ -64,6 +65,9 @@ class Speculation:
     probe_max: int = 256
 
     def __post_init__(self):
+        if not isinstance(self.tiers, collections.abc.Iterable):
+            raise TypeError(f"speculation.tiers must be a sequence of TreeConfig or None, got {type(self.tiers).__name__}"
+                            " (one tier: Speculation.fixed(tier))")
         tiers = tuple(self.tiers)
         object.__setattr__(self, "tiers", tiers)
         if not tiers:

@@ -200,6 +200,8 @@ def test_adaptive_sampling_matches_the_target_distribution():
 
 @pytest.mark.parametrize("kwargs,exc,words", [
     (dict(tiers=()), ValueError, "at least one tier"),
+    (dict(tiers=None), TypeError, "speculation.tiers must be a sequence of TreeConfig or None, got NoneType"),
+    (dict(tiers=TreeConfig.chain(2)), TypeError, "got TreeConfig (one tier: Speculation.fixed(tier))"),
     (dict(tiers=((5, 3, 1),)), TypeError, "tiers[0]"),
     # a second no-drafting tier was never run by the loop (it ran the first's), which then hung
     (dict(tiers=(None, TreeConfig.chain(2), None), min_tier=2), ValueError, "tiers[2] repeats tiers[0] (no drafting)"),
@@ -226,9 +228,10 @@ def test_speculation_takes_numpy_integers_as_ints():
 
 def test_bad_round_ms_and_speculation_type(pair):
     target, drafter, _, prompts = pair
-    with pytest.raises(ValueError, match="round_ms"):
-        eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation=Speculation(TIERS),
-                            round_ms=(1.0, -1.0, 2.0))
+    for round_ms in ((1.0, -1.0, 2.0), "fast", (1.0, None, 2.0), {"chain4": 1.0}):
+        with pytest.raises(ValueError, match="round_ms: need one positive time per tier"):
+            eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation=Speculation(TIERS),
+                                round_ms=round_ms)
     with pytest.raises(TypeError, match="speculation"):
         eagle3_jax.generate(target, drafter, prompts[:1], max_new_tokens=4, speculation="adaptive")
 
