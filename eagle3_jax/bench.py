@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eagle3_jax.decode import generate
+from eagle3_jax.decode import generate, keep_compiled
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
@@ -155,20 +155,21 @@ def run_bench(target, drafter, prompts, *, trees, max_new_tokens: int, temperatu
     first: dict = {}  # (mode, chunk) → the fastest call stopped after the prefill
     # the passes interleave the modes chunk by chunk (in an order that rotates each pass), so
     # that a slow spell of a shared machine falls on every mode alike, not on one of them
-    for r in range(repeats):
-        for c, (cat, ids) in enumerate(chunks):
-            for m in ((k + r) % len(modes) for k in range(len(modes))):
-                drafter_, tree = modes[m]
-                out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
-                               speculation=tree, warm_up=True, time_first_token=True, **sampling,
-                               **(generate_kw or {}))
-                fastest[m, c] = min(fastest.get((m, c), math.inf), out.stats["seconds"])
-                first[m, c] = min(first.get((m, c), math.inf), out.stats["first_token_seconds"])
-                if r == 0:
-                    tokens, _, stats = results[m]
-                    for i, t in zip(ids, out.tokens):
-                        tokens[i] = t
-                    stats.setdefault(cat, []).append(out.stats)
+    with keep_compiled(len(modes) * len(chunks)):  # each (mode, chunk shape) comes round every pass
+        for r in range(repeats):
+            for c, (cat, ids) in enumerate(chunks):
+                for m in ((k + r) % len(modes) for k in range(len(modes))):
+                    drafter_, tree = modes[m]
+                    out = generate(target, drafter_, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
+                                   speculation=tree, warm_up=True, time_first_token=True, **sampling,
+                                   **(generate_kw or {}))
+                    fastest[m, c] = min(fastest.get((m, c), math.inf), out.stats["seconds"])
+                    first[m, c] = min(first.get((m, c), math.inf), out.stats["first_token_seconds"])
+                    if r == 0:
+                        tokens, _, stats = results[m]
+                        for i, t in zip(ids, out.tokens):
+                            tokens[i] = t
+                        stats.setdefault(cat, []).append(out.stats)
     for (m, c), sec in fastest.items():
         seconds = results[m][1]
         seconds[chunks[c][0]] = seconds.get(chunks[c][0], 0.0) + sec

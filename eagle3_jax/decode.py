@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -527,11 +528,32 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
             spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32),
             jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
             **dict(kw)).compile()
-        while len(_COMPILED) > COMPILE_CACHE_SIZE:
-            evicted = id(_COMPILED.popitem(last=False)[1])
-            _ROUND_MS.pop(evicted, None)
-            _RAN.discard(evicted)
+        _trim(COMPILE_CACHE_SIZE)
     return _COMPILED[cache_key]
+
+
+def _trim(size: int):
+    """Evicts the least recently used loops beyond ``size`` (freed: see :func:`_run_jit`)."""
+    while len(_COMPILED) > size:
+        evicted = id(_COMPILED.popitem(last=False)[1])
+        _ROUND_MS.pop(evicted, None)
+        _RAN.discard(evicted)
+
+
+@contextlib.contextmanager
+def keep_compiled(loops: int):
+    """Keeps at least ``loops`` compiled loops while inside (then the usual
+    ``COMPILE_CACHE_SIZE`` again): for a benchmark that cycles through more loops than the
+    cache holds, each of which would otherwise be compiled again whenever it comes round (an
+    evicted loop is freed, so it is compiled anew)."""
+    global COMPILE_CACHE_SIZE
+    before = COMPILE_CACHE_SIZE
+    COMPILE_CACHE_SIZE = max(before, int(loops))
+    try:
+        yield
+    finally:
+        COMPILE_CACHE_SIZE = before
+        _trim(before)
 
 
 def clear_compiled():

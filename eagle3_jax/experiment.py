@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_jax.bench import category_groups, peak_memory, two_proportion_z
-from eagle3_jax.decode import generate
+from eagle3_jax.decode import generate, keep_compiled
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
@@ -177,13 +177,14 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categorie
     jobs = [("step1", b, None, 0.0) for b in budgets] + [("step2", b, m, t) for t in temps for b in chosen for m in modes]
     results: dict = {}
     bar = tqdm(jobs, desc="experiment", disable=not progress)
-    for step, b, mode, temp in bar:
-        key = (b, _mode_name(mode), temp)
-        bar.set_postfix_str(f"B={_label(b)} {_mode_name(mode)} T={temp}")
-        if key not in results:
-            results[key] = _run(target, drafter, prompts, groups, budget=b, mode=mode, batch_size=batch_size,
-                                max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
-            _grade(results[key], grade, details)  # each run graded once
+    with keep_compiled(len(jobs) * len(prompts)):  # a loop per (mode, temperature, batch shape): kept for the run
+        for step, b, mode, temp in bar:
+            key = (b, _mode_name(mode), temp)
+            bar.set_postfix_str(f"B={_label(b)} {_mode_name(mode)} T={temp}")
+            if key not in results:
+                results[key] = _run(target, drafter, prompts, groups, budget=b, mode=mode, batch_size=batch_size,
+                                    max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
+                _grade(results[key], grade, details)  # each run graded once
     summaries = {key: {c: _summary_row(r, c) for c in [None, *cats]} for key, r in results.items()}
 
     def with_categories(rows: dict) -> dict:  # the overall row, and the categories' under by_category

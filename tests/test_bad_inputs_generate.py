@@ -121,6 +121,20 @@ def test_compile_cache_is_bounded(pair, monkeypatch):
     assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 4]  # 3 evicted, 4 most recent
 
 
+def test_keep_compiled_holds_more_loops_while_inside(pair, monkeypatch):
+    """``keep_compiled(n)`` keeps n loops while inside (a benchmark cycling through them
+    compiles each once), then trims to ``COMPILE_CACHE_SIZE``, the most recently used kept."""
+    target, _ = pair
+    monkeypatch.setattr(decode, "COMPILE_CACHE_SIZE", 2)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    with decode.keep_compiled(3):
+        for n in (3, 4, 5, 3):
+            eagle3_jax.generate(target, None, OK, max_new_tokens=n)
+        assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [4, 5, 3]  # none evicted, none compiled again
+    assert decode.COMPILE_CACHE_SIZE == 2
+    assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 3]
+
+
 def test_first_token_is_timed_on_the_call_s_own_program(pair, monkeypatch):
     """``time_first_token`` times the same compiled program stopped after the prefill: no
     second program, the same tokens."""
