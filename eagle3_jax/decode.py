@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, kv_cache, sharding
+from eagle3_jax import budget, kv_cache, layers, sharding
 from eagle3_jax import speculation as policy
 from eagle3_jax.config import host_scalar, integer
 from eagle3_jax.models.drafter import declare as declare_drafter
@@ -139,7 +139,7 @@ def _split(key_B):
 def _emit(st: _State, new_BxP, count_B, loop: _Loop, round_B=None) -> _State:
     """Appends ``new[:, :count]`` to the output, truncating at a stop token or the row's limit,
     and counts the appended tokens' thinking phase (``round_B``: the round they belong to)."""
-    B, P = new_BxP.shape
+    P = new_BxP.shape[1]
     j = jnp.arange(P)[None]
     is_stop = (new_BxP[:, :, None] == st.stops[:, None, :]).any(-1) & (j < count_B[:, None])
     has_stop = is_stop.any(1)
@@ -148,7 +148,7 @@ def _emit(st: _State, new_BxP, count_B, loop: _Loop, round_B=None) -> _State:
     n = jnp.where(st.done, 0, n)
     W = st.out.shape[1]
     slots = jnp.where(j < n[:, None], st.n_out[:, None] + j, W)  # W = dropped
-    out = st.out.at[jnp.arange(B)[:, None], slots].set(new_BxP, mode="drop")
+    out = layers.row_set(st.out, slots, new_BxP)
     n_out = st.n_out + n
     done = st.done | (has_stop & (first_stop <= n)) | (n_out >= st.limit)
     think = st.think
@@ -157,8 +157,8 @@ def _emit(st: _State, new_BxP, count_B, loop: _Loop, round_B=None) -> _State:
                                                       loop.thinking)
         think = dataclasses.replace(think, phase=phase, content=content, thinking=count)
         if round_B is not None:
-            think = dataclasses.replace(think, round_thinking=think.round_thinking.at[jnp.arange(B), round_B].set(
-                first & (n > 0), mode="drop"))
+            think = dataclasses.replace(think, round_thinking=layers.row_set(think.round_thinking, round_B,
+                                                                             first & (n > 0)))
     return dataclasses.replace(st, out=out, n_out=n_out, done=done, think=think)
 
 
@@ -188,7 +188,6 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
     """Runs the prompts through the target (and the drafter) into fresh caches of
     ``cache_len`` slots and emits the first token of each row."""
     B, T = prompt_BxT.shape
-    bidx = jnp.arange(B)
     W, thinking = loop.width, loop.thinking
     think = None
     if thinking is not None:
@@ -205,7 +204,7 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
     first = sample(sub, logits_BxV, loop.sampling if loop.sampling is not None else rows)
     if thinking is not None:  # B = 0 on a prompt that opens thinking: the first token is already E[0]
         _, hit, token, force = _budget_cut(think, first[:, None], jnp.ones((B,), jnp.int32), jnp.ones((B,), bool),
-                                           prompt_BxT[bidx, lengths_B - 1], thinking)
+                                           layers.row_get(prompt_BxT, lengths_B - 1), thinking)
         first = jnp.where(hit, token, first)
         think = dataclasses.replace(think, force=force, forced=hit)
     dcache = last_hidden = round_tier = None
@@ -215,7 +214,7 @@ def _prefill(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase_B, s
         dcache = kv_cache.constrain(drafter.init_cache(B, cache_len), loop.cache_shardings[1])
         dout, dcache = drafter(feats, ids, pos, cache=dcache)
         dcache = kv_cache.advance(dcache, lengths_B)
-        last_hidden = dout[bidx, lengths_B - 1]
+        last_hidden = layers.row_get(dout, lengths_B - 1)
         round_tier = jnp.zeros((B, W), jnp.int32)
     zeros = jnp.zeros((B,), jnp.int32)
     st = _State(tcache, dcache, first, last_hidden, jnp.zeros((B, W), jnp.int32), zeros, jnp.zeros((B,), bool),
@@ -249,7 +248,7 @@ def _target_step(target, st: _State, loop: _Loop):
         record = jnp.where(active, jnp.where(forcing, -2, 0), -1)
         st = dataclasses.replace(st, tcache=kv_cache.advance(tcache, active.astype(jnp.int32)),
                                  root=jnp.where(active, nxt, st.root), key=key, think=think,
-                                 accept=st.accept.at[jnp.arange(B), st.rounds].set(record, mode="drop"))
+                                 accept=layers.row_set(st.accept, st.rounds, record))
         st = _emit(st, nxt[:, None], active.astype(jnp.int32), loop, st.rounds)
         return dataclasses.replace(st, rounds=st.rounds + active, step=st.step + 1), feats[:, 0], nxt, record
 
@@ -266,7 +265,6 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active
     for the records and the policy."""
     B, n = st.root.shape[0], loop.burst
     none = loop.spec.tiers.index(None)
-    bidx = jnp.arange(B)
 
     def step(carry):
         i, s, feats_BxNxF, tokens_BxN, count_B = carry
@@ -275,7 +273,7 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active
         active = record != -1
         s = dataclasses.replace(
             s, ctl=policy.update(s.ctl, loop.spec, jnp.maximum(record, 0), record >= 0),
-            round_tier=s.round_tier.at[bidx, rounds].set(jnp.where(active, none, 0), mode="drop"))
+            round_tier=layers.row_set(s.round_tier, rounds, jnp.where(active, none, 0)))
         return (i + 1, s, feats_BxNxF.at[:, i].set(feats.astype(feats_BxNxF.dtype)), tokens_BxN.at[:, i].set(nxt),
                 count_B + active)
 
@@ -288,7 +286,7 @@ def _burst(target, drafter, st: _State, loop: _Loop, cap, force_tier, min_active
     with jax.named_scope("catch_up"):  # drafter position j pairs the feature at j with the token after it
         dpos = st.dcache.lengths[:, None] + jnp.arange(n)[None]
         dout, dcache = drafter(feats_BxNxF, tokens_BxN, dpos, cache=st.dcache)
-    last = jnp.where((count_B > 0)[:, None], dout[bidx, jnp.maximum(count_B - 1, 0)], st.last_hidden)
+    last = jnp.where((count_B > 0)[:, None], layers.row_get(dout, jnp.maximum(count_B - 1, 0)), st.last_hidden)
     return dataclasses.replace(st2, dcache=kv_cache.advance(dcache, count_B), last_hidden=last)
 
 
@@ -327,7 +325,6 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
     commit, the drafter's catch-up and the output bookkeeping that every tier shares."""
     spec, thinking = loop.spec, loop.thinking
     B = st.root.shape[0]
-    bidx = jnp.arange(B)
     active = ~st.done
     think, forcing = st.think, jnp.zeros((B,), bool)
     key, sub = _split(st.key)
@@ -363,10 +360,10 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
         st2 = dataclasses.replace(
             st, tcache=tcache, dcache=kv_cache.advance(dcache, count), key=key, think=think,
             root=jnp.where(active, bonus, st.root),
-            last_hidden=jnp.where(active[:, None], dout[bidx, accepted], st.last_hidden),
-            accept=st.accept.at[bidx, st.rounds].set(round_accept, mode="drop"),
+            last_hidden=jnp.where(active[:, None], layers.row_get(dout, accepted), st.last_hidden),
+            accept=layers.row_set(st.accept, st.rounds, round_accept),
             ctl=policy.update(st.ctl, spec, jnp.maximum(round_accept, 0), round_accept >= 0),
-            round_tier=st.round_tier.at[bidx, st.rounds].set(jnp.where(active, tier, 0), mode="drop"))
+            round_tier=layers.row_set(st.round_tier, st.rounds, jnp.where(active, tier, 0)))
         st2 = _emit(st2, new, count, loop, st.rounds)
         return dataclasses.replace(st2, rounds=st.rounds + active, step=st.step + 1)
 

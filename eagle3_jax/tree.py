@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.config import integer
-from eagle3_jax.kv_cache import KVCache
+from eagle3_jax.kv_cache import KVCache, by_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +75,22 @@ class Tree:
     paths: jax.Array  # [B, N, P] root-to-leaf node paths, one row per leaf (increasing leaf index), -1 padded
 
 
+def _top_k(cache: KVCache | None, x, k: int):
+    """``jax.lax.top_k(x, k)`` of per-row ``x``, on each device's own rows where ``cache``'s
+    layout splits the batch (XLA's partitioner gathers a top-k's whole operand to every
+    device: at batch 32 on two CPU devices, two all-gathers per drafted token)."""
+    if cache is None:
+        return jax.lax.top_k(x, k)
+    return by_rows(cache, lambda x: jax.lax.top_k(x, k), x)
+
+
 def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) -> Tree:
     """Builds the draft tree below ``root`` from the drafter's output after the
     committed context (read from ``cache``, which is not written)."""
     B = root_B.shape[0]
     k, D = cfg.top_k, cfg.depth
     logp = jax.nn.log_softmax(drafter.logits(last_hidden_BxH), axis=-1)
-    scores, draft_ids = jax.lax.top_k(logp, k)  # [B, k]
+    scores, draft_ids = _top_k(cache, logp, k)  # [B, k]
     cand_scores = [scores]
     cand_tokens = [drafter.to_target_ids(draft_ids)]
     cand_parents = [jnp.full((B, k), -1, jnp.int32)]  # candidate index of the parent; -1 = root
@@ -99,14 +108,14 @@ def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) ->
                                            region_kv=region_kv)
         region_kv = (k_new, v_new) if region_kv is None else (
             jnp.concatenate([region_kv[0], k_new], 1), jnp.concatenate([region_kv[1], v_new], 1))
-        child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(drafter.logits(out), axis=-1), k)  # [B, k, k]
+        child_logp, child_ids = _top_k(cache, jax.nn.log_softmax(drafter.logits(out), axis=-1), k)  # [B, k, k]
         cu = (child_logp + scores[:, :, None]).reshape(B, k * k)  # beam-major, child-rank minor
         child_tokens = drafter.to_target_ids(child_ids).reshape(B, k * k)
         cand_scores.append(cu)
         cand_tokens.append(child_tokens)
         cand_parents.append(jnp.repeat(beam_cand, k, axis=1))
 
-        scores, best = jax.lax.top_k(cu, k)
+        scores, best = _top_k(cache, cu, k)
         parent_beam = best // k
         beam_hidden = jnp.take_along_axis(out, parent_beam[..., None], axis=1)
         beam_tokens = jnp.take_along_axis(child_tokens, best, axis=1)
@@ -115,13 +124,14 @@ def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) ->
         beam_anc = jnp.take_along_axis(beam_anc, parent_beam[..., None], axis=1) | new_slots
 
     return _select(jnp.concatenate(cand_scores, 1), jnp.concatenate(cand_tokens, 1),
-                   jnp.concatenate(cand_parents, 1), root_B, cfg)
+                   jnp.concatenate(cand_parents, 1), root_B, cfg, cache)
 
 
-def _select(scores_BxC, tokens_BxC, parents_BxC, root_B, cfg: TreeConfig) -> Tree:
-    """Keeps the best ``total_tokens - 1`` candidates (in candidate order) below the root."""
+def _select(scores_BxC, tokens_BxC, parents_BxC, root_B, cfg: TreeConfig, cache: KVCache | None = None) -> Tree:
+    """Keeps the best ``total_tokens - 1`` candidates (in candidate order) below the root
+    (``cache``: the drafter's, for its layout on a mesh)."""
     N, P = cfg.total_tokens, cfg.path_len
-    keep = jnp.sort(jax.lax.top_k(scores_BxC, N - 1)[1], axis=-1)  # [B, N-1]
+    keep = jnp.sort(_top_k(cache, scores_BxC, N - 1)[1], axis=-1)  # [B, N-1]
     tokens = jnp.concatenate([root_B[:, None], jnp.take_along_axis(tokens_BxC, keep, 1)], 1)
     parent_cand = jnp.take_along_axis(parents_BxC, keep, 1)
     parent_node = jax.vmap(jnp.searchsorted)(keep, parent_cand) + 1  # as the official searchsorted

@@ -199,7 +199,8 @@ def _verify(tree: Tree, logits_BxNxV, key, s: SamplingConfig | RowSampling, max_
     else:
         p_last = jnp.take_along_axis(probs, last[:, None, None], 1)[:, 0]  # [B, V]
         rejected = jnp.take_along_axis(tree.tokens, jnp.maximum(last_children, 0), 1)
-        residual = p_last.at[jnp.arange(B)[:, None], rejected].multiply((last_children < 0).astype(p_last.dtype))
+        keep = (last_children < 0).astype(p_last.dtype)  # a rejected child's token loses its mass
+        residual = jax.vmap(lambda p, ids, f: p.at[ids].multiply(f))(p_last, rejected, keep)  # row-local on a mesh
         residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_last)  # measure-zero guard
         bonus = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys[:, 1], residual)
     return path, accepted, bonus.astype(jnp.int32)

@@ -78,6 +78,34 @@ def cache_collectives(compiled_text: str, carries) -> list[str]:
     return found
 
 
+def loop_collectives(compiled_text: str) -> list[str]:
+    """The collectives that the program's loops run (in a while loop's body or condition, or
+    in what those call), as ``"op shape"``."""
+    comps, calls, comp = {}, {}, None
+    for line in compiled_text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            comp = head.group(2)
+            comps[comp], calls[comp] = [], set()
+            continue
+        if comp is None:
+            continue
+        for m in re.finditer(r"\b(?:condition|body|calls|to_apply|branch_computations)=(\{[^}]*\}|%[\w.-]+)", line):
+            calls[comp].update(re.findall(r"%([\w.-]+)", m.group(1)))
+        m = re.match(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                     r"(?:-start)?\(", line)
+        if m:
+            comps[comp].append(f"{m.group(2)} {m.group(1)[:60]}")
+    loops = set(re.findall(r"\b(?:condition|body)=%([\w.-]+)", compiled_text))
+    seen, todo = set(), list(loops)
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo.extend(calls.get(c, ()))
+    return [op for c in sorted(seen) for op in comps.get(c, ())]
+
+
 def check_weights(target, mesh, rules=None) -> str:
     """Every declared weight sits on the mesh at its declared per-device shape (by ``rules``)."""
     from flax import nnx
@@ -148,6 +176,10 @@ def main(argv=None):
                     L = target.config.num_layers
                     every_row = cache_collectives(compiled.as_text(), lambda dims: dims[:2] == (L, batch))
                     assert not every_row, f"{axes}: a collective carries every row's keys or values: {every_row}"
+                if set(axes) == {"data"}:  # rows only: a round moves no row's data between devices
+                    moving = [op for op in loop_collectives(compiled.as_text())
+                              if not re.match(r"all-reduce (\(?(s32|pred)\[\],? ?)+\)?$", op)]
+                    assert not moving, f"{axes}: the decode loop moves rows' data between devices: {moving}"
                 print(f"{name:8s} {mode:8s} {axes}: tokens identical; {check_weights(target, mesh, rules)}; {layout}",
                       flush=True)
         if name == "tiny":

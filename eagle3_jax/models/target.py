@@ -111,7 +111,7 @@ class Target(nnx.Module):
         commit (``kv_cache.write`` / ``kv_cache.commit``)."""
         hidden, features, new_kv = self.trunk(tokens_BxT, positions_BxT, cache=cache, region_mask_BxTxR=region_mask_BxTxR)
         if logits_at_B is not None:
-            hidden = hidden[jnp.arange(hidden.shape[0]), logits_at_B]  # [B, H]
+            hidden = layers.row_get(hidden, logits_at_B)  # [B, H]
         return self.head(hidden), features, new_kv
 
     def trunk(self, tokens_BxT, positions_BxT, *, cache: KVCache | None = None, region_mask_BxTxR=None):
