@@ -20,7 +20,8 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
 def row_get(x_BxN, at_B):
-    """``x[b, at[b]]`` for each row ``b``: a gather whose batch is the rows, which XLA's
+    """``x[b, at[b]]`` for each row ``b`` (an index out of range is clamped, as in NumPy-style
+    indexing under ``jit``): a gather whose batch is the rows, which XLA's
     partitioner keeps on each row's device (one indexed by ``arange(B)`` it is not: it sends
     every row's indices and data to every device first)."""
     return jax.vmap(lambda x, at: x[at])(x_BxN, at_B)
@@ -28,8 +29,8 @@ def row_get(x_BxN, at_B):
 
 def row_set(x_BxW, at_B, value_B):
     """``x[b, at[b]] = value[b]`` for each row ``b`` (``at``, ``value``: ``[B]`` or ``[B, P]``;
-    an index past the row's end is dropped): a scatter whose batch is the rows (see
-    :func:`row_get`)."""
+    an index past the row's end is dropped, a negative one counts from its end): a scatter
+    whose batch is the rows (see :func:`row_get`)."""
     return jax.vmap(lambda x, at, value: x.at[at].set(value, mode="drop"))(x_BxW, at_B, value_B)
 
 

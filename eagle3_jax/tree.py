@@ -81,6 +81,7 @@ def _top_k(cache: KVCache | None, x, k: int):
     device: at batch 32 on two CPU devices, two all-gathers per drafted token)."""
     if cache is None:
         return jax.lax.top_k(x, k)
+    assert x.ndim < 5, x.shape  # by_rows lays out five-dimensional arrays as the cache
     return by_rows(cache, lambda x: jax.lax.top_k(x, k), x)
 
 

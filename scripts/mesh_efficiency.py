@@ -9,8 +9,8 @@ short and a long stretch of rounds (``eagle3_jax.cost.forced_rounds``: the faste
 rounds in between.  With both halves of the batch decoding at once and nothing else to do, the
 mesh's round would cost what one device's half-batch round does; the printed ratio is what the
 mesh adds (its collectives, and the two devices sharing the memory and the machine).  Also
-prints the collectives each compiled loop runs per round (``scripts/mesh_decode.py``'s
-``loop_collectives``).
+counts the collective instructions in the mesh program's loops (every phase's loop and the
+loops inside a round: ``scripts/mesh_decode.py``'s ``loop_collectives``).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def main(argv=None):
         per_round = 1 if d is None else tree.path_len
         one, two = cost.forced_rounds(list(progs.values()), args.new_tokens, per_round, repeats=args.repeats,
                                       parts=False)
-        ops = collections.Counter(op.split(" ")[0] for op in loop_collectives(progs["mesh"][0].as_text()))
+        ops = collections.Counter(op for op, _ in loop_collectives(progs["mesh"][0].as_text()))
         print(f"{name:8s} round: batch {args.batch_size // 2} on one device {one['round_ms']:.2f} ms, batch "
               f"{args.batch_size} on data=2 {two['round_ms']:.2f} ms ({two['round_ms'] / one['round_ms']:.2f}x); "
-              f"collectives in the mesh's loops: {dict(ops) or 'none'}", flush=True)
+              f"collective instructions in the mesh program's loops: {dict(ops) or 'none'}", flush=True)
 
 
 if __name__ == "__main__":
