@@ -20,8 +20,8 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
 def row_get(x_BxN, at_B):
-    """``x[b, at[b]]`` for each row ``b`` (an index out of range is clamped, as in NumPy-style
-    indexing under ``jit``): a gather whose batch is the rows, which XLA's
+    """``x[b, at[b]]`` for each row ``b`` (a negative index counts from the row's end, one out
+    of range is clamped, as JAX's indexing does): a gather whose batch is the rows, which XLA's
     partitioner keeps on each row's device (one indexed by ``arange(B)`` it is not: it sends
     every row's indices and data to every device first)."""
     return jax.vmap(lambda x, at: x[at])(x_BxN, at_B)
