@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pickle
 import sys
 import zipfile
@@ -403,8 +404,8 @@ def _speculation(text: str):
 
 def _serve_common(p):
     """The pair and the slots, for ``serve`` and ``replay``."""
-    p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
-    p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
+    p.add_argument("--target", type=_path, help="Hugging Face target checkpoint directory (default: the built-in pair)")
+    p.add_argument("--drafter", type=_path, help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="target weights' dtype (default: the checkpoint's; float32 built in)")
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS, help="target attention (as for generate)")
@@ -474,6 +475,12 @@ def _number(kind, name: str, *, lo=None, hi=None, lo_open: bool = False):
 
     parse.__name__ = name  # argparse names the type in "invalid <name> value" messages
     return parse
+
+
+def _path(text: str) -> str:
+    """A file or directory argument: ``~`` and ``~user`` expanded as a shell would (it does not
+    after ``--flag=``), so ``--target=~/models/x`` names the same directory as ``--target ~/models/x``."""
+    return os.path.expanduser(text)
 
 
 def _tree(text: str):
@@ -552,8 +559,8 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _common(p, mesh: bool = True):
-    p.add_argument("--target", help="Hugging Face target checkpoint directory (default: the built-in pair)")
-    p.add_argument("--drafter", help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
+    p.add_argument("--target", type=_path, help="Hugging Face target checkpoint directory (default: the built-in pair)")
+    p.add_argument("--drafter", type=_path, help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="target weights' dtype (default: the checkpoint's; float32 built in)")
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
@@ -590,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "stderr with exit status 2; --debug shows the traceback.")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="describe a target or drafter checkpoint directory")
-    info.add_argument("path")
+    info.add_argument("path", type=_path)
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     info.set_defaults(func=_cmd_info)
@@ -615,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=temperature, nargs="+", help="one report per temperature (default: 0 "
                                                                           "and 0.7 for the built-in pair, else 0)")
     bench.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="tree budgets TOTAL,DEPTH,TOPK or chainN")
-    bench.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings)")
+    bench.add_argument("--prompts", type=_path, help="JSON list of prompts (token-id lists or strings)")
     bench.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
                        help=f"first N eval tasks of the built-in pair (default {BUILTIN_PROMPTS}: the families take "
                             "turns, so 16 each), or N random 16-token prompts "
@@ -623,9 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     bench.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=1,
                        help="time each setting as the fastest of N passes (each pass runs every mode on a batch before the next)")
-    bench.add_argument("--json", default="bench.json", help="write the report here (missing directories are created)")
-    bench.add_argument("--figure", default="bench.png", help="write the figure here (.png, .pdf, .svg, ...; missing "
-                                                             "directories are created)")
+    bench.add_argument("--json", type=_path, default="bench.json",
+                       help="write the report here (missing directories are created)")
+    bench.add_argument("--figure", type=_path, default="bench.png",
+                       help="write the figure here (.png, .pdf, .svg, ...; missing directories are created)")
     bench.add_argument("--max-new-tokens-sweep", type=_number(int, "max-new-tokens-sweep", lo=1), nargs="+",
                        metavar="N", help="one report per value (the cache grows with it), instead of --max-new-tokens")
     bench.add_argument("--adaptive", action="store_true",
@@ -643,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--chosen", type=_budget, nargs="+", default=None, metavar="B",
                      help="step 2's budgets (default 16 64 unlimited)")
     exp.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="static tiers (default chain4 chain6 16,4,4)")
-    exp.add_argument("--prompts", help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
+    exp.add_argument("--prompts", type=_path,
+                     help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
     exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
                      help=f"first N prompts (default: all --prompts, or the built-in eval set's first {BUILTIN_PROMPTS})")
     exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
@@ -655,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "none: skip step 3)")
     exp.add_argument("--replay-requests", type=_number(int, "replay-requests", lo=1), default=24,
                      help="requests per mode and rate in step 3")
-    exp.add_argument("--out", default="experiment", help="report directory (report.md, report.json, figures)")
+    exp.add_argument("--out", type=_path, default="experiment", help="report directory (report.md, report.json, figures)")
     exp.set_defaults(func=_cmd_experiment)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the built-in "
@@ -688,13 +697,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--max-seconds", type=_number(float, "max-seconds", lo=0.0, lo_open=True), default=120.0,
                      help="wall-clock bound per mode and rate (unfinished requests count as failed)")
     rep.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
-    rep.add_argument("--json", default="replay.json", help="write the report here")
-    rep.add_argument("--figure", default="replay.png", help="goodput vs arrival rate per mode")
+    rep.add_argument("--json", type=_path, default="replay.json", help="write the report here")
+    rep.add_argument("--figure", type=_path, default="replay.png", help="goodput vs arrival rate per mode")
     rep.set_defaults(func=_cmd_replay)
 
     train = sub.add_parser("train", help="train a drafter: prepare | regenerate | vocab | fit | export | all")
     train.add_argument("step", choices=["prepare", "regenerate", "vocab", "fit", "export", "all"])
-    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("--config", type=_path, required=True, help="YAML config (see configs/)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, read as the key's type, e.g. fit.lr=1e-4 "
                                                     "(anywhere on the line; unknown keys are refused)")
     train.add_argument("--no-resume", action="store_true",
@@ -706,13 +715,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="dry run of a training config on a mesh: per-device bytes of weights, KV "
                                      "caches, drafter, optimizer state and activations (no devices needed)")
-    pl.add_argument("--config", required=True, help="YAML config (see configs/)")
+    pl.add_argument("--config", type=_path, required=True, help="YAML config (see configs/)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides, as for train")
     pl.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=4 (default: the config's mesh)")
     pl.add_argument("--batch", type=_number(int, "batch", lo=1), help="KV-cache batch (default: regenerate.batch_size)")
     pl.add_argument("--seq-len", type=_number(int, "seq-len", lo=1), help="KV-cache length (default: seq_len)")
     pl.add_argument("--device-memory", help="memory of one device, e.g. 16GiB: say whether decode and fit fit")
-    pl.add_argument("--target-config", help="the target's config.json, where the config's target directory is "
+    pl.add_argument("--target-config", type=_path, help="the target's config.json, where the config's target directory is "
                                             "not on this machine (default: configs/targets/<name>.json beside it)")
     pl.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     pl.set_defaults(func=_cmd_plan)

@@ -211,6 +211,22 @@ def test_bench_creates_missing_output_directories(tmp_path, capsys, fake_bench):
     assert not list(out.parent.glob(".*tmp"))
 
 
+def test_paths_after_an_equals_sign_expand_the_home_directory(tmp_path, monkeypatch, capsys, fake_bench):
+    """``--flag=~/x`` (which no shell expands) names the same file as ``--flag ~/x`` would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["bench", "--target=~/t", "--drafter=~/d", "--num-prompts", "1", "--json=~/out/r.json",
+                 "--figure=~/out/f.png"]) == 0
+    assert json.loads((tmp_path / "out" / "r.json").read_text())["reports"] == [REPORT]
+    assert (tmp_path / "out" / "f.png").stat().st_size > 0 and not (tmp_path / "~").exists()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "ckpt").symlink_to(TARGET)
+    monkeypatch.setenv("HOME", str(home))
+    capsys.readouterr()
+    assert main(["info", "--json", "~/ckpt"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "target"
+
+
 def test_bench_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch, fake_bench):
     """The directory is fine when checked but gone (a file in its place) once the benchmark
     is done: the report goes to stdout and the one-line error says so."""

@@ -89,6 +89,18 @@ def test_overrides_take_the_schema_types(tmp_path):
     assert type(got["lr"]) is float and got["lr"] == 1e-4 and got["steps"] == 7
 
 
+def test_config_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    """``~/…`` in a path key (YAML or override) is the user's home, as a shell reads it; a
+    bare ``~`` is YAML's null."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("target: ~/models/t\ndata: ~/data.jsonl\ntokenizer: ~\nwork_dir: runs/x\n")
+    cfg = pipeline.load_config(path, ["drafter.init=~/init"])
+    assert cfg["target"] == str(tmp_path / "models" / "t") and cfg["data"] == str(tmp_path / "data.jsonl")
+    assert cfg["drafter"]["init"] == str(tmp_path / "init")
+    assert cfg["tokenizer"] is None and cfg["work_dir"] == "runs/x"
+
+
 def test_fit_config_checks_types_and_ranges():
     with pytest.raises(TypeError, match="fit.lr"):
         FitConfig(lr="1e-4")

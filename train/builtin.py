@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -388,13 +389,14 @@ def _timed(work: Path, stage: str, fn):
 def main(argv=None):
     p = argparse.ArgumentParser(description="retrain the built-in target (a fine-tune of train/base_target, or from "
                                             "scratch) and its drafter, evaluate them and install the pair")
-    p.add_argument("--work-dir", default="runs/builtin")
-    p.add_argument("--out", default=str(builtin.ASSETS), help="where the pair is installed (the package's assets)")
+    p.add_argument("--work-dir", type=os.path.expanduser, default="runs/builtin")
+    p.add_argument("--out", type=os.path.expanduser, default=str(builtin.ASSETS),
+                   help="where the pair is installed (the package's assets)")
     p.add_argument("--from-scratch", action="store_true",
                    help=f"train the target from a random initialisation and a tokenizer of its own ({SCRATCH['target_steps']} "
                         f"steps at lr {SCRATCH['target_lr']}) instead of fine-tuning {Recipe.init_target}")
-    p.add_argument("--init-target", default=None, help=f"the saved target to fine-tune (default {Recipe.init_target}); "
-                                                       "the run keeps its tokenizer")
+    p.add_argument("--init-target", type=os.path.expanduser, default=None,
+                   help=f"the saved target to fine-tune (default {Recipe.init_target}); the run keeps its tokenizer")
     p.add_argument("--target-steps", type=int, default=None, help="default: the recipe's (or SCRATCH's)")
     p.add_argument("--target-lr", type=float, default=None, help="default: the recipe's (or SCRATCH's)")
     p.add_argument("--polish-steps", type=int, default=None,

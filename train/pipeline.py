@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import shutil
 import time
 import typing
@@ -203,7 +204,7 @@ def _coerce(key: str, value, kind, origin: str):
             if value is None or (text is not None and text.lower() in _NULL):
                 return None
             if text:
-                return value
+                return os.path.expanduser(value)  # ~/data.jsonl as the shell would read it
         elif kind is bool:
             if isinstance(value, bool):
                 return value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -86,7 +87,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description="tiny offline drafter training run")
     p.add_argument("--conversations", type=int, default=600)
-    p.add_argument("--work-dir", default="runs/tiny")
+    p.add_argument("--work-dir", type=os.path.expanduser, default="runs/tiny")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. fit.steps=1200")
     args = p.parse_args(argv)
     work = Path(args.work_dir)
