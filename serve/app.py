@@ -350,7 +350,8 @@ def _finish_reason(reason: str) -> str:
 # -- the app ------------------------------------------------------------------------------
 
 
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+_ENDPOINTS = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions"}  # each POST route → its metrics label
 
 
 class _JsonBody:
@@ -447,10 +448,10 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
             out["prompt_token_ids"] = req.prompt_ids
         return out
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat(body: ChatRequest, request: Request):
         if metrics is not None:
-            metrics.request_received("chat")
+            metrics.request_received(_ENDPOINTS[CHAT_PATH])
         req = submit(body, await encode(_chat_prompt, body, tokenizer), split=True)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
@@ -462,10 +463,10 @@ def create_app(engine: Engine, cfg: ServerConfig, metrics: Metrics | None = None
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(res.finish_reason)}
         return response("chatcmpl-", "chat.completion", choice, res, req, body)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, request: Request):
         if metrics is not None:
-            metrics.request_received("completions")
+            metrics.request_received(_ENDPOINTS[COMPLETIONS_PATH])
         req = submit(body, await encode(_completion_prompt, body, tokenizer, cfg.vocab_size), split=False)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
