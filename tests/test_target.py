@@ -174,8 +174,15 @@ def test_bfloat16_weights_run_close_to_float32():
     a, fa = f32.features(ids)
     b, fb = bf16.features(ids)
     assert b.dtype == jnp.float32 and fb.dtype == jnp.bfloat16
-    assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.25 * np.abs(np.asarray(a)).max()
-    assert (np.asarray(a).argmax(-1) == np.asarray(b).argmax(-1)).mean() > 0.5
+    a, b, fa, fb = (np.asarray(x, np.float32) for x in (a, b, fa, fb))
+
+    def rel(x, y):
+        return np.linalg.norm(x - y) / np.linalg.norm(x)
+
+    # bfloat16 keeps 8 bits of mantissa: the logits and the captured features differ by ~2-3%
+    # (2.8% and 2.1% on this CPU); a bf16 path that drops or mis-casts anything is far off
+    assert rel(a, b) < 0.08 and rel(fa, fb) < 0.06, (rel(a, b), rel(fa, fb))
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 11 / 12
 
 
 def test_low_level_calls_refuse_bad_input_clearly(golden_target):
