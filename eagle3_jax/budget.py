@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 BEFORE, THINKING, AFTER = 0, 1, 2
 STATUSES = ("none", "closed", "budget_exhausted", "incomplete")
+MODES = ("hard", "soft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +40,19 @@ class ThinkingConfig:
     grace: int = 0
 
     def __post_init__(self):
-        if self.mode not in ("hard", "soft"):
+        if self.mode not in MODES:
             raise ValueError(f"thinking_mode={self.mode!r}: expected 'hard' or 'soft'")
         if self.close_id not in self.end_ids:
             raise ValueError(f"end_thinking_ids={list(self.end_ids)} must contain the think-close id {self.close_id}")
         if self.open_id == self.close_id:
             raise ValueError(f"think-open and think-close ids are the same ({self.open_id})")
+        # forced at the budget, E must leave the sequence after its thinking: one that opened
+        # it again would be over budget at once, and where the next token is cut would depend
+        # on how rounds fall (a round commits its token after E unchecked; a step cuts it)
+        last = {t: i for i, t in enumerate(self.end_ids)}
+        if last.get(self.open_id, -1) > last[self.close_id]:
+            raise ValueError(f"end_thinking_ids={list(self.end_ids)} opens thinking again: the think-open id "
+                             f"{self.open_id} comes after its last think-close id {self.close_id}")
 
     @property
     def slack(self) -> int:

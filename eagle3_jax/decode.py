@@ -675,33 +675,43 @@ class _Request:
 def _thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, vocab: int):
     """The static thinking setup from explicit ids or the tokenizer's ``<think>``/``</think>``,
     or ``None`` when neither names them."""
+    if not isinstance(mode, str) or mode not in budget.MODES:  # checked with or without a thinking phase
+        raise (ValueError if isinstance(mode, str) else TypeError)(
+            f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
+    grace = _int_arg("thinking_grace", grace, 0)
     if think_token_ids is None and tokenizer is not None:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
         unk = getattr(tokenizer, "unk_token_id", None)
         if all(_is_int(i) and i != unk for i in ids):
             think_token_ids = tuple(ids)
     if think_token_ids is None:
+        if end_thinking_ids is not None:
+            raise ValueError("end_thinking_ids needs the think-open/close tokens: pass think_token_ids=(open, close) "
+                             "or a tokenizer with <think> and </think>")
         return None
-    if isinstance(think_token_ids, (str, bytes)) or not hasattr(think_token_ids, "__len__") or len(think_token_ids) != 2:
+    if not _is_sequence(think_token_ids) or len(think_token_ids) != 2:
         raise TypeError(f"think_token_ids must be (open_id, close_id), got {think_token_ids!r}")
     open_id, close_id = (_int_arg(f"think_token_ids[{i}]", x, 0, vocab) for i, x in enumerate(think_token_ids))
     if end_thinking_ids is None:
         newline = tokenizer.encode("\n", add_special_tokens=False) if tokenizer is not None else []
         end_thinking_ids = (*newline, close_id) if len(newline) == 1 else (close_id,)
-    elif _is_int(end_thinking_ids) or isinstance(end_thinking_ids, (str, bytes)) or not len(end_thinking_ids):
+    elif not _is_sequence(end_thinking_ids) or not len(end_thinking_ids):
         raise TypeError(f"end_thinking_ids must be a non-empty sequence of token ids, got {end_thinking_ids!r}")
     end = tuple(_int_arg(f"end_thinking_ids[{i}]", x, 0, vocab) for i, x in enumerate(end_thinking_ids))
-    if not isinstance(mode, str):
-        raise TypeError(f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
-    grace = _int_arg("thinking_grace", grace, 0)
     return budget.ThinkingConfig(open_id, close_id, end, mode, grace if mode == "soft" else 0)
+
+
+def _is_sequence(x) -> bool:
+    """An ordered run of values (list, tuple, 1-D array): not a string, nor a dict or a set,
+    whose order is not the caller's (a dict would be read as its keys), nor a 0-d array."""
+    return (hasattr(x, "__len__") and getattr(x, "ndim", 1) > 0
+            and not isinstance(x, (str, bytes, collections.abc.Mapping, collections.abc.Set)))
 
 
 def _budgets(thinking_budget, n: int) -> np.ndarray:
     if thinking_budget is None or _is_int(thinking_budget):
         values = [thinking_budget] * n
-    elif (isinstance(thinking_budget, (str, bytes, collections.abc.Mapping, collections.abc.Set))
-          or not hasattr(thinking_budget, "__len__")):  # a dict's or a set's order is not the prompts'
+    elif not _is_sequence(thinking_budget):
         raise TypeError(f"thinking_budget must be None, an int or one value per prompt (a list, tuple or array), "
                         f"got {type(thinking_budget).__name__} {thinking_budget!r}")
     else:
@@ -822,8 +832,10 @@ _THINKING_DOC = """
         within ``thinking_grace`` more tokens; force at B + grace).
       think_token_ids: ``(open_id, close_id)``; default: the tokenizer's ``<think>`` /
         ``</think>``.  Without either, no thinking phase is tracked.
-      end_thinking_ids: the forced end-of-thinking sequence (must contain the close id);
-        default: a newline then the close token.
+      end_thinking_ids: the forced end-of-thinking sequence (must contain the close id, with
+        no open id after its last close: it ends the thinking); default: a newline then the
+        close token.  Needs the think ids.  ``thinking_mode`` and ``thinking_grace`` are
+        checked even when no thinking phase is tracked; the grace applies in soft mode only.
 """
 
 

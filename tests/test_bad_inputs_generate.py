@@ -69,6 +69,18 @@ BAD = [
     ("thinking-budget-set", dict(think_token_ids=(3, 4), thinking_budget={8}), TypeError, "thinking_budget"),
     ("end-thinking-0d-array", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids=np.array(4)), TypeError,
      "end_thinking_ids"),
+    ("thinking-budget-0d-float-array", dict(think_token_ids=(3, 4), thinking_budget=np.array(2.0)), TypeError,
+     "thinking_budget"),
+    # a dict was read as its keys ({3: 4, 1: 2}: open 3, close 1), a set in its own order
+    ("think-ids-dict", dict(think_token_ids={3: 4, 1: 2}, thinking_budget=2), TypeError, "think_token_ids"),
+    ("think-ids-set", dict(think_token_ids={3, 4}, thinking_budget=2), TypeError, "think_token_ids"),
+    ("end-thinking-set", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids={5, 4}), TypeError,
+     "end_thinking_ids"),
+    ("end-thinking-dict", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids={4: 5}), TypeError,
+     "end_thinking_ids"),
+    ("thinking-grace-negative", dict(think_token_ids=(3, 4), thinking_mode="soft", thinking_grace=-1), ValueError,
+     "thinking_grace"),
+    ("thinking-grace-without-thinking", dict(thinking_grace=1.5), TypeError, "thinking_grace"),
 ]
 
 

@@ -156,6 +156,24 @@ def test_bad_thinking_arguments(pair):
         eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=4, tokenizer=tok, end_thinking_ids=[5])
     with pytest.raises(TypeError, match="think_token_ids"):
         eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=4, think_token_ids=5)
+    # an end sequence that opens thinking again after its close: refused (a round committed the
+    # token after it unchecked where a plain step cut it: speculative != vanilla, a fuzzer's find)
+    with pytest.raises(ValueError, match=r"end_thinking_ids=\[19, 226, 300\] opens thinking again"):
+        eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=4, think_token_ids=(226, 19),
+                            end_thinking_ids=(19, 226, 300), thinking_budget=2)
+    # checked even where no thinking phase is tracked (no think ids, no tokenizer)
+    with pytest.raises(ValueError, match="thinking_mode"):
+        eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=4, thinking_mode="medium")
+    with pytest.raises(ValueError, match="end_thinking_ids needs the think-open/close tokens"):
+        eagle3_jax.generate(target, None, prompts[:1], max_new_tokens=4, end_thinking_ids=[5, 6])
+
+
+def test_an_end_sequence_may_pass_through_an_open_before_its_close():
+    """Only an open *after* the last close is refused: E = (close, open, close) ends thinking."""
+    assert budget.ThinkingConfig(open_id=1, close_id=2, end_ids=(2, 1, 2)).end_ids == (2, 1, 2)
+    assert budget.ThinkingConfig(open_id=1, close_id=2, end_ids=(1, 9, 2)).end_ids == (1, 9, 2)
+    with pytest.raises(ValueError, match="opens thinking again"):
+        budget.ThinkingConfig(open_id=1, close_id=2, end_ids=(2, 9, 1))
 
 
 def test_phase_rules():
