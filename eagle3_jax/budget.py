@@ -24,6 +24,14 @@ STATUSES = ("none", "closed", "budget_exhausted", "incomplete")
 MODES = ("hard", "soft")
 
 
+def check_mode(mode) -> str:
+    """``mode`` if it is one of :data:`MODES`, else an error naming ``thinking_mode``."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise (ValueError if isinstance(mode, str) else TypeError)(
+            f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
+    return mode
+
+
 @dataclasses.dataclass(frozen=True)
 class ThinkingConfig:
     """Static part of the thinking budget (the per-sequence budgets are arrays).
@@ -40,8 +48,7 @@ class ThinkingConfig:
     grace: int = 0
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"thinking_mode={self.mode!r}: expected 'hard' or 'soft'")
+        check_mode(self.mode)
         if self.close_id not in self.end_ids:
             raise ValueError(f"end_thinking_ids={list(self.end_ids)} must contain the think-close id {self.close_id}")
         if self.open_id == self.close_id:

@@ -675,9 +675,7 @@ class _Request:
 def _thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, vocab: int):
     """The static thinking setup from explicit ids or the tokenizer's ``<think>``/``</think>``,
     or ``None`` when neither names them."""
-    if not isinstance(mode, str) or mode not in budget.MODES:  # checked with or without a thinking phase
-        raise (ValueError if isinstance(mode, str) else TypeError)(
-            f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
+    mode = budget.check_mode(mode)  # with or without a thinking phase
     grace = _int_arg("thinking_grace", grace, 0)
     if think_token_ids is None and tokenizer is not None:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
