@@ -29,7 +29,7 @@ def check_mode(mode) -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise (ValueError if isinstance(mode, str) else TypeError)(
             f"thinking_mode must be 'hard' or 'soft', got {mode!r}")
-    return mode
+    return str(mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,8 @@ class ThinkingConfig:
     """Static part of the thinking budget (the per-sequence budgets are arrays).
 
     ``open_id`` / ``close_id``: the think-open / think-close token ids; ``end_ids``: the
-    end-of-thinking sequence forced at the budget (must contain ``close_id``); ``mode``:
+    end-of-thinking sequence forced at the budget (must contain ``close_id``, with no
+    ``open_id`` after its last ``close_id``: forcing it ends the thinking); ``mode``:
     ``"hard"`` (force at B) or ``"soft"`` (force at B + ``grace``, the model may close first).
     """
 

@@ -214,6 +214,7 @@ def test_bench_creates_missing_output_directories(tmp_path, capsys, fake_bench):
 def test_paths_after_an_equals_sign_expand_the_home_directory(tmp_path, monkeypatch, capsys, fake_bench):
     """``--flag=~/x`` (which no shell expands) names the same file as ``--flag ~/x`` would."""
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where an unexpanded ~/out/ would land
     assert main(["bench", "--target=~/t", "--drafter=~/d", "--num-prompts", "1", "--json=~/out/r.json",
                  "--figure=~/out/f.png"]) == 0
     assert json.loads((tmp_path / "out" / "r.json").read_text())["reports"] == [REPORT]

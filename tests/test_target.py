@@ -182,7 +182,11 @@ def test_bfloat16_weights_run_close_to_float32():
     # bfloat16 keeps 8 bits of mantissa: the logits and the captured features differ by ~2-3%
     # (2.8% and 2.1% on this CPU); a bf16 path that drops or mis-casts anything is far off
     assert rel(a, b) < 0.08 and rel(fa, fb) < 0.06, (rel(a, b), rel(fa, fb))
-    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 11 / 12
+    # the top token is kept wherever float32's lead over the second is clear: 0.5, twice the
+    # largest logit change measured here (0.25); nearer ties may flip on other hardware
+    top2 = np.sort(a, -1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 0.5
+    assert clear.sum() >= 4 and (a.argmax(-1) == b.argmax(-1))[clear].all()
 
 
 def test_low_level_calls_refuse_bad_input_clearly(golden_target):
