@@ -11,6 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from eagle3_jax import budget
 from eagle3_jax.checkpoint import DTYPES, check_output_path
 from eagle3_jax.layers import ATTENTION_IMPLS
 
@@ -402,12 +403,17 @@ def _speculation(text: str):
     return text if text in ("auto", "off") else _tree(text)
 
 
-def _serve_common(p):
-    """The pair and the slots, for ``serve`` and ``replay``."""
+def _pair_args(p):
+    """The model pair's flags, for every command that decodes."""
     p.add_argument("--target", type=_path, help="Hugging Face target checkpoint directory (default: the built-in pair)")
     p.add_argument("--drafter", type=_path, help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="target weights' dtype (default: the checkpoint's; float32 built in)")
+
+
+def _serve_common(p):
+    """The pair and the slots, for ``serve`` and ``replay``."""
+    _pair_args(p)
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS, help="target attention (as for generate)")
     p.add_argument("--max-batch", type=_number(int, "max-batch", lo=1), default=8, help="slots decoded together")
     p.add_argument("--max-queue", type=_number(int, "max-queue", lo=0), default=64,
@@ -559,10 +565,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _common(p, mesh: bool = True):
-    p.add_argument("--target", type=_path, help="Hugging Face target checkpoint directory (default: the built-in pair)")
-    p.add_argument("--drafter", type=_path, help="EAGLE-3 drafter checkpoint directory (omit for vanilla decoding)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="target weights' dtype (default: the checkpoint's; float32 built in)")
+    _pair_args(p)
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
                    help="target attention: xla, or pallas (the tree-attention kernel where one runs: TPU, Hopper "
                         "GPU with bfloat16; XLA elsewhere); *_interpret: a kernel in its CPU interpreter (slow)")
@@ -575,7 +578,7 @@ def _common(p, mesh: bool = True):
     p.add_argument("--thinking-budget", type=_number(int, "thinking-budget", lo=0), default=None, metavar="B",
                    help="thinking tokens allowed before the end of thinking is forced (default: unlimited; needs a "
                         "tokenizer with <think>/</think>)")
-    p.add_argument("--thinking-mode", choices=("hard", "soft"), default="hard",
+    p.add_argument("--thinking-mode", choices=budget.MODES, default="hard",
                    help="hard: force at B; soft: the model may close by itself within --thinking-grace more tokens")
     p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
                    help="soft mode's grace in tokens (default 16)")
