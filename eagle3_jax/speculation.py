@@ -12,7 +12,9 @@ The adaptive policy maximises expected committed tokens per millisecond:
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
   acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
   position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
-  of all positions together); for trees, a running mean of their own committed tokens per
+  of all positions together; one offered fewer than ``THIN`` times is taken at no less than
+  that rate, so that a longer chain whose deep positions a few warm-up rows judged is tried
+  again when it might win and then judged on its own rounds); for trees, a running mean of their own committed tokens per
   round (the chain estimate of their depth until tried); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
@@ -40,6 +42,10 @@ from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
 PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of all positions
+# decayed offers below which a position's estimate is taken at no less than the rate of all
+# positions: one rejection in a warm-up of one row would otherwise keep a long chain out for
+# good (its deep positions learn only from its own rounds)
+THIN = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +211,7 @@ def expected_tokens(ctl: Controller, spec: Speculation):
     # toward 1/2): a position seen in a few rounds borrows from the others
     pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
     a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
+    a = jnp.where(ctl.trials < THIN, jnp.maximum(a, pooled), a)  # thin evidence: optimistic, as for untried trees
 
     chain = 1.0 + jnp.cumsum(jnp.cumprod(a))  # chain[k - 1] = 1 + Σ_{i≤k} Π_{j≤i} a_j: a chain of k drafts
     widths = {t.top_k for t in spec.tiers if t is not None and t.top_k > 1}  # trees' optimistic estimates

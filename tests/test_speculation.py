@@ -102,6 +102,48 @@ def test_deeper_positions_keep_their_estimate_while_a_shorter_chain_runs():
     assert int(ctl.tier) == 2  # about 6.9 tokens in 1.65 ms beat 5 in 1.35 ms
 
 
+def _policy_run(ctl, spec, rounds: int, accepted: tuple[int, ...]):
+    """``rounds`` rounds of whatever tier the policy picks, row ``i`` accepting
+    ``accepted[i]`` drafts (at most its tier's depth); returns the controller and the tiers run."""
+    import jax.numpy as jnp
+
+    ran = []
+    for _ in range(rounds):
+        t = spec.tiers[int(ctl.tier)]
+        depth = 0 if t is None else t.path_len - 1
+        ran.append(int(ctl.tier))
+        ctl = speculation.update(ctl, spec, jnp.minimum(jnp.asarray(accepted), depth), jnp.ones((len(accepted),), bool))
+    return ctl, ran
+
+
+# a good drafter's rows: most accept every draft, a few stop early (about 0.95 at each position)
+GOOD = (14,) * 14 + (12, 10, 8, 5, 3, 1)
+
+
+def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
+    """A server's warm-up often runs on its first request alone: one row, two rounds of the
+    longest chain, here rejected once at draft position 8 and once at 12 (a good drafter's
+    rare misses). Those positions, offered once or twice, are taken at no less than the rate
+    of all positions: chain14 might win, so the policy tries it instead of keeping chain6 for
+    good (without that, the two misses hold chain14 at 11.0 expected tokens, below chain6 per
+    millisecond, and nothing after the warm-up revisits positions 7-14); then it judges chain14
+    on its own rounds, which keep it when it pays and drop it for good when its deep positions
+    really fail."""
+    import jax.numpy as jnp
+
+    spec = Speculation((None, TreeConfig.chain(6), TreeConfig.chain(14)), warmup=2, cooldown=4)
+    warm = speculation.init(spec, (2.7, 10.7, 18.2))  # a server's measured costs at 8 slots (ms)
+    for accepted in (7, 11):  # the warm-up on chain14, one row
+        assert int(warm.tier) == 2
+        warm = speculation.update(warm, spec, jnp.full((1,), accepted), jnp.ones((1,), bool))
+    ctl, ran = _policy_run(warm, spec, 60, GOOD)
+    assert ran[-40:] == [2] * 40, ran  # tried, and kept: it pays
+    # where the deep positions really fail (every row stops at 7), chain14 is dropped once
+    # they have been seen enough, and stays dropped while chain6 runs
+    ctl, ran = _policy_run(warm, spec, 60, (7,) * 20)
+    assert ran[-40:] == [1] * 40 and ran.count(2) <= 8, ran
+
+
 def test_min_tier_holds_in_the_loop(pair):
     """No tier below ``min_tier`` runs, however cheap: plain rounds at 0.001 ms would win."""
     target, drafter, tok, prompts = pair
