@@ -1,6 +1,7 @@
 """Adaptive speculative budget vs static tiers on the built-in pair (greedy, the fastest of --repeats interleaved passes).
 
     python scripts/adaptive_bench.py [--num-prompts 64] [--batch-sizes 1 8] [--repeats 3] [--drafters trained untrained]
+                                     [--tiers chain4 chain6 16,4,4 32,6,8]
 
 For each batch size: vanilla, each static tier, and the adaptive policy over those tiers
 (plus no drafting), with the trained drafter and with an untrained drafter of the same shape
@@ -32,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each running every mode batch by batch; the fastest kept (this machine is noisy)")
     ap.add_argument("--drafters", nargs="+", choices=("trained", "untrained"), default=["trained", "untrained"],
                     help="the built-in drafter and/or an untrained one of the same shape")
+    ap.add_argument("--tiers", nargs="+", default=list(TIERS), help="the static tiers (TOTAL,DEPTH,TOPK or chainN), "
+                    "and the adaptive policy's over them and no drafting")
     ap.add_argument("--json", help="write the reports here")
     args = ap.parse_args(argv)
 
@@ -39,7 +42,7 @@ def main(argv=None):
     tasks = builtin.eval_tasks()[: args.num_prompts]
     prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
     untrained = Drafter(drafter.config, target.embed[...], d2t=drafter.d2t[...], rngs=nnx.Rngs(1))
-    trees = [parse_tree(t) for t in TIERS]
+    trees = [parse_tree(t) for t in args.tiers]
     reports = []
     for name, d in (("trained", drafter), ("untrained", untrained)):
         if name not in args.drafters:
