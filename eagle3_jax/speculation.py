@@ -12,10 +12,11 @@ The adaptive policy maximises expected committed tokens per millisecond:
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
   acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
   position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
-  of all positions together; one offered fewer than ``THIN`` times is taken at no less than
-  that rate, so that a longer chain whose deep positions a few warm-up rows judged is tried
-  again when it might win and then judged on its own rounds); for trees, a running mean of their own committed tokens per
-  round (the chain estimate of their depth until tried); 1 for no drafting;
+  of all positions together; one drafted in fewer than ``THIN`` chain rounds is taken at no
+  less than that rate, so that a longer chain whose deep positions a warm-up of a round or two
+  judged is tried again when it might win and then judged on its own rounds); for trees, a
+  running mean of their own committed tokens per round (until tried, an optimistic estimate,
+  below); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
 * a warm-up of ``warmup`` rounds on the longest chain (they inform every draft position),
@@ -42,9 +43,12 @@ from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
 PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of all positions
-# decayed offers below which a position's estimate is taken at no less than the rate of all
-# positions: one rejection in a warm-up of one row would otherwise keep a long chain out for
-# good (its deep positions learn only from its own rounds)
+# decayed chain rounds that drafted a position below which its estimate is taken at no less
+# than the rate of all positions: a miss in a warm-up of two rounds would otherwise keep a long
+# chain out for good (its deep positions learn only from its own rounds).  Counted in rounds,
+# not in the rows that reached the position, so that a position one row rarely reaches is
+# judged after a few rounds of its chain, not held at the pooled rate for good.  Read when a
+# program is traced: set it before compiling.
 THIN = 4.0
 
 
@@ -142,6 +146,7 @@ class Controller:
     rounds: jax.Array  # rounds run
     hits: jax.Array  # [D] decayed accepted counts per draft position (chains)
     trials: jax.Array  # [D] decayed offered counts per draft position (chains)
+    drafts: jax.Array  # [D] decayed count of the chain rounds that drafted each position
     mean: jax.Array  # [T] running committed tokens per round, per tier
     tried: jax.Array  # [T] bool
     wait: jax.Array  # plain rounds before the next try of drafting
@@ -153,6 +158,7 @@ def fresh(spec: Speculation) -> dict:
     """What the policy knows before any round: nothing (``learned`` of a new controller)."""
     D, T = max(spec.positions, 1), len(spec.tiers)
     return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
+            "drafts": jnp.zeros((D,), jnp.float32),
             "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe),
             "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
             "probed": jnp.bool_(False)}
@@ -163,7 +169,8 @@ def learned(ctl: Controller) -> dict:
     where the policy stands (its tier, the rounds since the last switch, the wait before the
     next try of drafting), so that a drafter that never pays is tried every ``probe_max``
     plain rounds over all the calls, not at each call's start."""
-    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "mean": ctl.mean, "tried": ctl.tried,
+    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "mean": ctl.mean,
+            "tried": ctl.tried,
             "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since, "probed": ctl.probed}
 
 
@@ -173,7 +180,7 @@ def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     from nothing; picks its first tier."""
     prior = fresh(spec) if prior is None else prior
     ctl = Controller(prior["tier"], prior["since"], prior["rounds"], prior["hits"],
-                     prior["trials"], prior["mean"], prior["tried"], prior["wait"], prior["probed"],
+                     prior["trials"], prior["drafts"], prior["mean"], prior["tried"], prior["wait"], prior["probed"],
                      jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
@@ -197,10 +204,11 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
     drafted_pos = seen & is_chain & (i[0] <= depth)
     hits = jnp.where(drafted_pos, DECAY * ctl.hits + took.sum(0), ctl.hits)
     trials = jnp.where(drafted_pos, DECAY * ctl.trials + offered.sum(0), ctl.trials)
+    drafts = jnp.where(drafted_pos, DECAY * ctl.drafts + 1.0, ctl.drafts)
     obs = (w * (accepted_B + 1)).sum() / n
     this = jnp.arange(T) == ctl.tier
     mean = jnp.where(this & seen, jnp.where(ctl.tried, DECAY * ctl.mean + (1 - DECAY) * obs, obs), ctl.mean)
-    ctl = dataclasses.replace(ctl, hits=hits, trials=trials, mean=mean, tried=ctl.tried | (this & seen),
+    ctl = dataclasses.replace(ctl, hits=hits, trials=trials, drafts=drafts, mean=mean, tried=ctl.tried | (this & seen),
                               rounds=ctl.rounds + 1, since=ctl.since + 1)
     return _choose(ctl, spec)
 
@@ -211,7 +219,7 @@ def expected_tokens(ctl: Controller, spec: Speculation):
     # toward 1/2): a position seen in a few rounds borrows from the others
     pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
     a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
-    a = jnp.where(ctl.trials < THIN, jnp.maximum(a, pooled), a)  # thin evidence: optimistic, as for untried trees
+    a = jnp.where(ctl.drafts < THIN, jnp.maximum(a, pooled), a)  # thin evidence: optimistic, as for untried trees
 
     chain = 1.0 + jnp.cumsum(jnp.cumprod(a))  # chain[k - 1] = 1 + Σ_{i≤k} Π_{j≤i} a_j: a chain of k drafts
     widths = {t.top_k for t in spec.tiers if t is not None and t.top_k > 1}  # trees' optimistic estimates

@@ -1,15 +1,17 @@
 """The adaptive policy in the server under load, run after run: does it settle on the tier that
 pays?  The built-in pair behind a server of ``--max-batch`` slots (in this process, loopback);
 each run resets the policy (a fresh warm-up, often on its first request alone) and sends
-``--requests`` greedy chat requests from the eval prompts, Poisson arrivals at ``--rate`` per
-second (run ``i``: arrival seed ``i``, the prompts from ``i * requests`` on).  Prints each run's
-tokens/s and rounds per tier (summed over the requests), then their means.
+``--requests`` greedy streamed chat requests from the eval prompts (``serve.replay.run_load``),
+Poisson arrivals at ``--rate`` per second (run ``i``: arrival seed ``i``, the prompts from
+``i * requests`` on).  Prints each run's tokens/s and rounds per tier (each request's rounds,
+summed: a round of 8 requests counts 8 times), then their means.
 
     python scripts/adaptive_serve.py --runs 8 --rate 64 --tiers chain2 chain4 chain6 16,4,4 chain14
     python scripts/adaptive_serve.py --runs 8 --rate 64 --thin 0    # the rule before 985b537
 
-``--thin`` sets ``eagle3_jax.speculation.THIN`` before the engine compiles (the decayed offers
-below which a chain position is taken at no less than the rate of all positions; 0: never).
+``--thin`` sets ``eagle3_jax.speculation.THIN`` before the engine compiles (the decayed chain
+rounds below which a draft position is taken at no less than the rate of all positions; 0:
+never).
 """
 
 from __future__ import annotations
@@ -18,32 +20,13 @@ import argparse
 import asyncio
 import time
 
-import httpx
 import numpy as np
 
 from eagle3_jax import builtin, speculation
 from eagle3_jax.bench import parse_tree
 from eagle3_jax.serve.app import ServerThread, build
-from eagle3_jax.serve.replay import arrivals
+from eagle3_jax.serve.replay import run_load
 from eagle3_jax.speculation import Speculation, tier_name
-
-
-async def _load(url: str, prompts: list[str], *, rate: float, requests: int, seed: int, max_tokens: int):
-    """``requests`` chat requests at Poisson times; their responses and the wall time."""
-    times = arrivals(rate, requests, seed)
-    async with httpx.AsyncClient(timeout=600) as client:
-        t0 = time.perf_counter()
-
-        async def one(i: int, at: float):
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            r = await client.post(url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": prompts[(i + requests * seed) % len(prompts)]}],
-                "max_tokens": max_tokens, "temperature": 0.0})
-            r.raise_for_status()
-            return r.json()
-
-        res = await asyncio.gather(*[one(i, at) for i, at in enumerate(times)])
-        return res, time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -54,6 +37,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=8, help="the server's slots")
     ap.add_argument("--max-len", type=int, default=512, help="tokens per slot")
+    ap.add_argument("--max-seconds", type=float, default=300.0, help="per run; unfinished requests count as timeouts")
     ap.add_argument("--tiers", nargs="+", default=["chain2", "chain4", "chain6", "16,4,4", "chain14"],
                     help="the adaptive policy's tiers, besides no drafting")
     ap.add_argument("--thin", type=float, default=None, help="override speculation.THIN (0: the rule before 985b537)")
@@ -73,21 +57,28 @@ def main(argv=None):
     speeds, shares = [], {n: [] for n in names}
     with ServerThread(app) as srv:
         for run in range(args.runs):
-            engine.slots.reset_policy()  # the engine is idle between runs: a fresh warm-up
-            res, wall = asyncio.run(_load(srv.url, prompts, rate=args.rate, requests=args.requests, seed=run,
-                                          max_tokens=args.max_tokens))
-            tokens = sum(r["usage"]["completion_tokens"] for r in res)
+            while engine.running or engine.waiting:  # the policy is reset between dispatches only
+                time.sleep(0.01)
+            engine.slots.reset_policy()  # a fresh warm-up
+            start = run * args.requests % len(prompts)
+            records, wall = asyncio.run(run_load(srv.url, prompts[start:] + prompts[:start], rate=args.rate,
+                                                 requests=args.requests, max_tokens=args.max_tokens, temperature=0.0,
+                                                 seed=run, max_seconds=args.max_seconds))
+            done = [r for r in records if r["status"] == 200]
+            tokens = sum(r["tokens"] for r in done)
             rounds = dict.fromkeys(names, 0)
-            for r in res:
-                for name, n in r["usage"]["speculative"].get("tier_rounds", {}).items():
+            for r in done:
+                for name, n in (r.get("tier_rounds") or {}).items():
                     rounds[name] += n
             total = max(sum(rounds.values()), 1)
             for n in names:
                 shares[n].append(rounds[n] / total)
             speeds.append(tokens / wall)
-            print(f"run {run}: {tokens / wall:7.1f} tok/s ({tokens} tokens in {wall:.2f} s); rounds per tier {rounds}",
-                  flush=True)
-    print(f"mean of {args.runs} runs: {np.mean(speeds):.1f} tok/s; share of the rounds per tier: "
+            failed = "" if len(done) == len(records) else f"; {len(records) - len(done)} not answered 200"
+            print(f"run {run}: {tokens / wall:7.1f} tok/s ({tokens} tokens in {wall:.2f} s); rounds per tier "
+                  f"{rounds}{failed}", flush=True)
+    print(f"mean of {args.runs} runs: {np.mean(speeds):.1f} tok/s; share of the requests' rounds per tier "
+          "(a round counts once per request in it; mean over the runs): "
           + ", ".join(f"{n} {np.mean(s):.2f}" for n, s in shares.items()))
 
 

@@ -29,7 +29,8 @@ def arrivals(rate: float, n: int, seed: int) -> list[float]:
 
 
 async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
-    """Sends one streamed chat request at ``t0 + at``; its timing, token count and status."""
+    """Sends one streamed chat request at ``t0 + at``; its timing, token count, status and
+    (from its usage) τ and rounds per speculation tier."""
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     start = t0 + at
     rec = {"arrival": at, "status": None, "ttft": None, "latency": None, "tokens": 0}
@@ -50,6 +51,7 @@ async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
                     rec["tokens"] = chunk["usage"]["completion_tokens"]
                     rec["reasoning_tokens"] = chunk["usage"]["completion_tokens_details"]["reasoning_tokens"]
                     rec["tau"] = chunk["usage"].get("speculative", {}).get("tau")
+                    rec["tier_rounds"] = chunk["usage"].get("speculative", {}).get("tier_rounds", {})
                 for c in chunk.get("choices", []):
                     d = c.get("delta", {})
                     if rec["ttft"] is None and (d.get("content") or d.get("reasoning_content") or c.get("token_ids")):
