@@ -12,9 +12,10 @@ The adaptive policy maximises expected committed tokens per millisecond:
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
   acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
   position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
-  of all positions together; one drafted in fewer than ``THIN`` chain rounds is taken at no
-  less than that rate, so that a longer chain whose deep positions a warm-up of a round or two
-  judged is tried again when it might win and then judged on its own rounds); for trees, a
+  of all positions together; one offered fewer than ``THIN`` times in fewer than
+  ``THIN_ROUNDS`` chain rounds is taken at no less than that rate, so that a longer chain whose
+  deep positions a warm-up of one row judged is tried again when it might win and then judged
+  on its own rounds); for trees, a
   running mean of their own committed tokens per round (until tried, an optimistic estimate,
   below); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
@@ -43,13 +44,14 @@ from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
 PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of all positions
-# decayed chain rounds that drafted a position below which its estimate is taken at no less
-# than the rate of all positions: a miss in a warm-up of two rounds would otherwise keep a long
-# chain out for good (its deep positions learn only from its own rounds).  Counted in rounds,
-# not in the rows that reached the position, so that a position one row rarely reaches is
-# judged after a few rounds of its chain, not held at the pooled rate for good.  Read when a
-# program is traced: set it before compiling.
+# A draft position offered fewer than THIN times (decayed), in fewer than THIN_ROUNDS of the
+# chain rounds that drafted it (decayed; at most 1 / (1 - DECAY) = 10), is taken at no less
+# than the rate of all positions: a miss in a warm-up of one row would otherwise keep a long
+# chain out for good (its deep positions learn only from its own rounds).  The rounds bound
+# ends the optimism where rows rarely reach the position (one row: offers that never add up
+# to THIN).  Read when a program is traced: set them before compiling.
 THIN = 4.0
+THIN_ROUNDS = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +221,8 @@ def expected_tokens(ctl: Controller, spec: Speculation):
     # toward 1/2): a position seen in a few rounds borrows from the others
     pooled = (ctl.hits.sum() + 1.0) / (ctl.trials.sum() + 2.0)
     a = (ctl.hits + PRIOR * pooled) / (ctl.trials + PRIOR)
-    a = jnp.where(ctl.drafts < THIN, jnp.maximum(a, pooled), a)  # thin evidence: optimistic, as for untried trees
+    thin = (ctl.trials < THIN) & (ctl.drafts < THIN_ROUNDS)
+    a = jnp.where(thin, jnp.maximum(a, pooled), a)  # thin evidence: optimistic, as for untried trees
 
     chain = 1.0 + jnp.cumsum(jnp.cumprod(a))  # chain[k - 1] = 1 + Σ_{i≤k} Π_{j≤i} a_j: a chain of k drafts
     widths = {t.top_k for t in spec.tiers if t is not None and t.top_k > 1}  # trees' optimistic estimates

@@ -123,8 +123,8 @@ GOOD = (14,) * 14 + (12, 10, 8, 5, 3, 1)
 def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
     """A server's warm-up often runs on its first request alone: one row, two rounds of the
     longest chain, here rejected once at draft position 8 and once at 12 (a good drafter's
-    rare misses). Positions drafted in fewer than ``THIN`` chain rounds are taken at no less
-    than the rate of all positions, so once chain6's rounds (8 rows, after the warm-up) have
+    rare misses). Positions offered fewer than ``THIN`` times are taken at no less than the
+    rate of all positions, so once chain6's rounds (8 rows, after the warm-up) have
     shown that rate, the policy tries chain14 instead of keeping chain6 for good (without the
     rule the two misses hold chain14 at 11.0 expected tokens, 0.58 tokens/ms against chain6's
     0.61, and nothing after the warm-up revisits positions 7-14). Then chain14 is judged on its
@@ -146,10 +146,10 @@ def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
 def test_a_rarely_reached_position_is_judged_after_a_few_rounds_of_its_chain():
     """One row, chain14's rounds accepting 6, 6, 6, 6, 7, 7, 8 and 9 drafts over and over
     (7.875 tokens a round): position 10 is offered in one round of eight, so its decayed
-    offers stay under 2 for good. Thinness counts the chain's rounds, not the offers, so after
-    these rounds positions 9-14 are judged on what they showed (shrunk toward the rate of all
+    offers stay under 2 for good. Thinness ends after ``THIN_ROUNDS`` rounds of the chain too,
+    so positions 9-14 are then judged on what they showed (shrunk toward the rate of all
     positions as any estimate is), not held at that rate: chain14 is expected to commit about
-    what it does, not 0.9 tokens more."""
+    what it does, not 0.7 tokens more."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -160,9 +160,9 @@ def test_a_rarely_reached_position_is_judged_after_a_few_rounds_of_its_chain():
     for accepted in pattern * 6:  # chain14 held
         ctl = speculation.update(dataclasses.replace(ctl, tier=jnp.int32(2), since=jnp.int32(0)), spec,
                                  jnp.full((1,), accepted), jnp.ones((1,), bool))
-    assert float(ctl.trials[9]) < 2.0 and float(ctl.drafts[9]) > speculation.THIN, (ctl.trials, ctl.drafts)
+    assert float(ctl.trials[9]) < 2.0 and float(ctl.drafts[9]) > speculation.THIN_ROUNDS, (ctl.trials, ctl.drafts)
     est = np.asarray(speculation.expected_tokens(ctl, spec))
-    assert est[2] < 1 + np.mean(pattern) + 0.5, est  # 8.13 (offers counted instead: 8.82)
+    assert est[2] < 1 + np.mean(pattern) + 0.5, est  # 8.13 (thinness by offers alone: 8.82)
 
 
 def test_min_tier_holds_in_the_loop(pair):
