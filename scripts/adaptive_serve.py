@@ -9,9 +9,9 @@ summed: a round of 8 requests counts 8 times), then their means.
     python scripts/adaptive_serve.py --runs 8 --rate 64 --tiers chain2 chain4 chain6 16,4,4 chain14
     python scripts/adaptive_serve.py --runs 8 --rate 64 --thin 0    # the rule before 985b537
 
-``--thin`` sets ``eagle3_jax.speculation.THIN`` before the engine compiles (the decayed chain
-rounds below which a draft position is taken at no less than the rate of all positions; 0:
-never).
+``--thin`` sets ``eagle3_jax.speculation.THIN`` before the engine compiles (the decayed offers
+below which a draft position, drafted in fewer than ``THIN_ROUNDS`` chain rounds, is taken at
+no less than the rate of all positions; 0: never).
 """
 
 from __future__ import annotations
