@@ -15,9 +15,8 @@ The adaptive policy maximises expected committed tokens per millisecond:
   of all positions together; one offered fewer than ``THIN`` times in fewer than
   ``THIN_ROUNDS`` chain rounds is taken at no less than that rate, so that a longer chain whose
   deep positions a warm-up of one row judged is tried again when it might win and then judged
-  on its own rounds); for trees, a
-  running mean of their own committed tokens per round (until tried, an optimistic estimate,
-  below); 1 for no drafting;
+  on its own rounds); for trees, a running mean of their own committed tokens per round (until
+  tried, an optimistic estimate, below); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
   program itself (each tier forced for a few rounds; ``decode``), or given;
 * a warm-up of ``warmup`` rounds on the longest chain (they inform every draft position),
@@ -172,8 +171,7 @@ def learned(ctl: Controller) -> dict:
     next try of drafting), so that a drafter that never pays is tried every ``probe_max``
     plain rounds over all the calls, not at each call's start."""
     return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "mean": ctl.mean,
-            "tried": ctl.tried,
-            "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since, "probed": ctl.probed}
+            "tried": ctl.tried, "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since, "probed": ctl.probed}
 
 
 def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
