@@ -50,8 +50,8 @@ async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
                 if chunk.get("usage"):
                     rec["tokens"] = chunk["usage"]["completion_tokens"]
                     rec["reasoning_tokens"] = chunk["usage"]["completion_tokens_details"]["reasoning_tokens"]
-                    rec["tau"] = chunk["usage"].get("speculative", {}).get("tau")
-                    rec["tier_rounds"] = chunk["usage"].get("speculative", {}).get("tier_rounds", {})
+                    spec = chunk["usage"].get("speculative", {})
+                    rec["tau"], rec["tier_rounds"] = spec.get("tau"), spec.get("tier_rounds", {})
                 for c in chunk.get("choices", []):
                     d = c.get("delta", {})
                     if rec["ttft"] is None and (d.get("content") or d.get("reasoning_content") or c.get("token_ids")):
