@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from typing import Sequence
 
@@ -368,10 +369,12 @@ def _spec_round(target, drafter, st: _State, loop: _Loop, tier: int) -> _State:
         return dataclasses.replace(st2, rounds=st.rounds + active, step=st.step + 1)
 
 
-def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_active: int = 0) -> _State:
+def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_active: int = 0,
+            keep_stops=False) -> _State:
     """Rounds until at most ``min_active`` rows are still decoding (every row done, by
     default) or ``cap`` rounds ran: the loop of ``generate`` (of each of its phases) and of
-    the slot engine's dispatches."""
+    the slot engine's dispatches.  ``keep_stops``: stop tokens end rows even in a forced
+    tier (see below)."""
     tiers = () if loop.spec is None else loop.spec.tiers
     burst = functools.partial(_burst, target, drafter, loop=loop, cap=cap, force_tier=force_tier, min_active=min_active)
     going = functools.partial(_going, cap=cap, min_active=min_active, shards=loop.row_shards)
@@ -395,9 +398,10 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_activ
             return s
 
     # A forced tier is a measurement of its round cost: rows end at their limit or the cap, not
-    # at a stop token, so that every measured call runs its rounds whatever the text says.
+    # at a stop token, so that every measured call runs its rounds whatever the text says
+    # (unless ``keep_stops``: the call's own answers, timed as they end).
     stops = st.stops
-    st = dataclasses.replace(st, step=jnp.int32(0), stops=jnp.where(force_tier >= 0, -1, stops))
+    st = dataclasses.replace(st, step=jnp.int32(0), stops=jnp.where((force_tier >= 0) & jnp.logical_not(keep_stops), -1, stops))
     return dataclasses.replace(jax.lax.while_loop(going, body, st), stops=stops)
 
 
@@ -422,7 +426,8 @@ def _phase_rows(batch: int, max_new_tokens: int, shards: int = 1) -> tuple[int, 
     return tuple(rows for rows in (batch, batch // 2, batch // 4) if rows % shards == 0)
 
 
-def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, phases: tuple[int, ...]) -> _State:
+def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, phases: tuple[int, ...],
+                   keep_stops=False) -> _State:
     """``_rounds`` over the phases of ``_phase_rows``: each phase runs until the rows still
     decoding fit the next one, which takes them (in their order) and leaves the finished rows'
     outputs where they are.  Rows are independent (their keys, caches and limits are their
@@ -439,7 +444,8 @@ def _phased_rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, ph
             order = jnp.argsort(st.done.reshape(shards, n), axis=1, stable=True)[:, : rows // shards]
             pick = (order + n * jnp.arange(shards)[:, None]).reshape(-1)
             st, idx = _take_rows(st, pick, shards), pick if idx is None else idx[pick]
-        st = _rounds(target, drafter, st, loop, force_tier, left, min_active=phases[i + 1] if i + 1 < len(phases) else 0)
+        st = _rounds(target, drafter, st, loop, force_tier, left, min_active=phases[i + 1] if i + 1 < len(phases) else 0,
+                     keep_stops=keep_stops)
         left = left - st.step
         rows_st = dataclasses.replace(st, tcache=None, dcache=None)
         whole = rows_st if whole is None else _set_rows(whole, rows_st, idx)
@@ -463,7 +469,7 @@ def _stop_rows(stop_ids: tuple[int, ...], batch: int):
 
 
 def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
-         round_cap, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig,
+         round_cap, keep_stops, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], sampling: SamplingConfig,
          spec: Speculation | None, thinking: budget.ThinkingConfig | None, cache_shardings: tuple = (None, None),
          phases: tuple[int, ...] = ()):
     target = nnx.merge(tgraph, tstate)
@@ -476,7 +482,8 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
                       jnp.full((B,), max_new, jnp.int32), None, cache_len=max_len, loop=loop)
     if drafter is not None:
         st = dataclasses.replace(st, ctl=policy.init(spec, round_ms_T, learned))
-    st = _phased_rounds(target, drafter, st, loop, force_tier, jnp.minimum(max_new, round_cap), phases or (B,))
+    st = _phased_rounds(target, drafter, st, loop, force_tier, jnp.minimum(max_new, round_cap), phases or (B,),
+                        keep_stops=keep_stops)
     out = {"out": st.out, "n_out": st.n_out, "accept": st.accept}
     if st.round_tier is not None:
         out["round_tier"] = st.round_tier
@@ -522,7 +529,7 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
         tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
         _COMPILED[cache_key] = _run_jit().lower(
             tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
-            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32),
+            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32), spec((), jnp.bool_),
             jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
             **dict(kw)).compile()
         _trim(COMPILE_CACHE_SIZE)
@@ -864,7 +871,7 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
     learned = jax.tree.map(np.asarray, learned)  # wherever the last call left it
     args = (tstate, dstate, jnp.asarray(req.prompt_BxT), jnp.asarray(req.lengths_B), jax.random.key(req.seed),
             jnp.asarray(req.budget_B), jnp.asarray(req.phase_B), jnp.ones((n_tiers,), jnp.float32), jnp.int32(-1),
-            jnp.int32(dict(req.kw)["max_new"]), learned)
+            jnp.int32(dict(req.kw)["max_new"]), jnp.bool_(False), learned)
     round_ms = req.round_ms
     if round_ms is None and spec is not None and spec.policy == "adaptive":
         round_ms = _round_ms(compiled, args, n_tiers)
@@ -876,59 +883,90 @@ def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p
 _NO_SPEC = Speculation((None,), policy="fixed")
 
 
-def forced_args(args: tuple, tier: int, rounds: int) -> tuple:
+def forced_args(args: tuple, tier: int, rounds: int, keep_stops: bool = False) -> tuple:
     """``compile_generate``'s arguments for a measurement call: speculation tier ``tier``
     (an index into the request's tiers; a single tree is tier 0, vanilla decoding too) forced
-    for ``rounds`` rounds, which stop tokens do not end (see ``_rounds``); ``tier`` -1: the
-    call as ``generate`` makes it, but for at most ``rounds`` rounds."""
-    return (*args[:8], jnp.int32(tier), jnp.int32(rounds), *args[10:])
+    for ``rounds`` rounds, which stop tokens do not end (see ``_rounds``) unless
+    ``keep_stops``; ``tier`` -1: the call as ``generate`` makes it, but for at most
+    ``rounds`` rounds."""
+    return (*args[:8], jnp.int32(tier), jnp.int32(rounds), jnp.bool_(keep_stops), *args[11:])
 
 
-def forced_call(compiled, args, tier: int, rounds: int) -> tuple[float, int]:
+def forced_call(compiled, args, tier: int, rounds: int, keep_stops: bool = False) -> tuple[float, int]:
     """One measurement call (:func:`forced_args`) of ``compile_generate``'s program: its wall
     seconds and the rounds it ran (``max_new_tokens`` may end it before ``rounds``)."""
+    seconds, res = _timed_call(compiled, forced_args(args, tier, rounds, keep_stops))
+    return seconds, _loop_rounds(res)
+
+
+def _timed_call(compiled, args) -> tuple[float, dict]:
     start = time.perf_counter()
-    res = jax.block_until_ready(compiled(*forced_args(args, tier, rounds)))
-    return time.perf_counter() - start, int((np.asarray(res["accept"]) != -1).any(0).sum())
+    res = jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - start, res
 
 
-def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float = 0.2,
+def _loop_rounds(res: dict) -> int:
+    """The rounds a call of the loop ran (those in which some row took part)."""
+    return int((np.asarray(res["accept"]) != -1).any(0).sum())
+
+
+def _stretch_caps(first, rounds: int, seconds_long: float, max_new: int) -> list[int]:
+    """The rounds of each tier that make the same new tokens per row (``_round_ms``'s
+    stretch), from a first call of each: ``(rounds run, new tokens per row, seconds less the
+    prefill)``.  The stretch is as many tokens as the tier slowest per token makes in
+    ``seconds_long``, at least ``4 * rounds`` and at most ``max_new - 1``; each tier runs at
+    least ``rounds`` rounds."""
+    slowest = max(seconds / made for _, made, seconds in first)  # seconds per new token per row
+    span = min(max(seconds_long / slowest, 4 * rounds), max(max_new - 1, 1))
+    return [max(rounds, math.ceil(span * max(ran, 1) / made)) for ran, made, _ in first]
+
+
+def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float = 0.4,
               repeats: int = 3) -> tuple[float, ...]:
     """Milliseconds per round of each speculation tier, measured once per compiled program on
-    the program itself: each tier forced for ``rounds`` and for more rounds (stop tokens
-    ignored, so short answers measure as many rounds as long ones), the difference of the two
-    calls over the difference in rounds (what a call costs besides its rounds cancels out: the
-    prefill, the launch, the output's transfer; when ``max_new_tokens`` ends the rows first,
-    the longer call minus the prefill alone).  The longer call runs at least ``4 * rounds``
-    rounds, and as many as take about ``seconds_long`` (by a first call of ``rounds``), so
-    that cheap rounds (a small batch) are timed over a span long enough to rank tiers a few
-    percent apart.  Each call is the fastest of ``repeats`` passes that time every tier in
-    turn (in an order that rotates), so that a slow spell of a shared machine falls on every
-    tier alike."""
+    the program itself and the call's own prompts, each tier forced over the same stretch of
+    the answers: the rounds that make about the same new tokens per row, so that every tier
+    is timed at the same live lengths (the rounds of a long chain read a longer prefix than
+    those of a short one after the same number of rounds) and, where the answers end inside
+    the stretch, with the rows finishing and a batch's phases shrinking (``_phase_rows``) as
+    in the call itself.  The stretch is as many tokens as the tier slowest per token makes
+    in about ``seconds_long``, at least ``4 * rounds`` and at most ``max_new_tokens - 1``; a
+    tier's cost is its call less a call stopped after the prefill, over the rounds it ran
+    (what a call costs besides its rounds cancels out: the prefill, the launch, the output's
+    transfer).  Stop tokens end the rows as in the call, unless some tier's first ``rounds``
+    rounds would already end every row (answers too short to time): then every tier is
+    forced past them.  Each call is the fastest of ``repeats`` passes that time every tier
+    in turn (in an order that rotates), so that a slow spell of a shared machine falls on
+    every tier alike."""
     if id(compiled) in _ROUND_MS:
         return _ROUND_MS[id(compiled)]
 
     forced_call(compiled, args, 0, 0)  # the program's first run
+    max_new = int(args[9])
+
+    def first_pass(keep_stops: bool):
+        base = forced_call(compiled, args, 0, 0)[0]
+        out = []
+        for tier in range(n_tiers):
+            t, res = _timed_call(compiled, forced_args(args, tier, rounds, keep_stops))
+            made = max(float(np.asarray(res["n_out"]).mean()) - 1.0, 1.0)  # tokens per row after the prefill's
+            out.append((_loop_rounds(res), made, max(t - base, 1e-6)))
+        return out
+
+    keep_stops = True
+    first = first_pass(keep_stops)
+    if min(r for r, _, _ in first) < rounds:  # some tier ends every row within its first rounds
+        keep_stops = False
+        first = first_pass(keep_stops)
+    cap = _stretch_caps(first, rounds, seconds_long, max_new)
+
     best, ran = {}, {}
-    lo, hi = rounds, {}
-    for tier in range(n_tiers):  # the longer call's rounds, from a call of lo (its prefill counted: fewer)
-        t, n = forced_call(compiled, args, tier, lo)
-        best[tier, lo], ran[tier, lo] = t, n
-        hi[tier] = max(4 * lo, int(seconds_long * max(n, 1) / max(t, 1e-9)))
     for r in range(repeats):
-        calls = [(0, 0)] + [(tier, cap) for tier in ((i + r) % n_tiers for i in range(n_tiers)) for cap in (lo, hi[tier])]
-        for tier, cap in calls:
-            t, ran[tier, cap] = forced_call(compiled, args, tier, cap)
-            best[tier, cap] = min(best.get((tier, cap), float("inf")), t)
-
-    def per_round(i: int) -> float:
-        # a small max_new_tokens ends the rows before the longer call's rounds: then against
-        # the prefill alone
-        long = (i, hi[i])
-        a = (i, lo) if ran[long] - ran[i, lo] >= (hi[i] - lo) // 2 else (0, 0)
-        return 1e3 * max(best[long] - best[a], 1e-6) / max(ran[long] - ran[a], 1)
-
-    _ROUND_MS[id(compiled)] = tuple(per_round(i) for i in range(n_tiers))
+        calls = [(-1, 0)] + [(tier, cap[tier]) for tier in ((i + r) % n_tiers for i in range(n_tiers))]
+        for tier, n in calls:
+            t, ran[tier] = forced_call(compiled, args, max(tier, 0), n, keep_stops)
+            best[tier] = min(best.get(tier, float("inf")), t)
+    _ROUND_MS[id(compiled)] = tuple(1e3 * max(best[i] - best[-1], 1e-6) / max(ran[i], 1) for i in range(n_tiers))
     return _ROUND_MS[id(compiled)]
 
 

@@ -18,7 +18,8 @@ The adaptive policy maximises expected committed tokens per millisecond:
   on its own rounds); for trees, a running mean of their own committed tokens per round (until
   tried, an optimistic estimate, below); 1 for no drafting;
 * milliseconds per round: ``round_ms`` per tier, measured once per compiled program on the
-  program itself (each tier forced for a few rounds; ``decode``), or given;
+  program itself (each tier forced over the same new tokens of the call's own answers;
+  ``decode``), or given;
 * a warm-up of ``warmup`` rounds on the longest chain (they inform every draft position),
   then a switch at most every ``cooldown`` rounds, between tiers ``min_tier..max_tier`` of
   ``tiers``; an untried tree is estimated optimistically (each level as ``top_k``

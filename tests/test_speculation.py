@@ -333,3 +333,38 @@ def test_round_costs_are_measured_past_the_answers_end(pair):
         ran = np.asarray(forced["accept"])[0] != -1
         assert ran.sum() == cap and (np.asarray(forced["round_tier"])[0][ran] == tier).all()
         assert n < int(forced["n_out"][0]) < 96
+
+
+def test_a_forced_tier_can_keep_the_stops_and_then_ends_where_the_call_ends(pair):
+    """The round-cost measurement times each tier over the call's own answers: forced with
+    ``keep_stops`` a tier ends each row at its stop token, with the call's tokens."""
+    target, drafter, _, prompts = pair
+    spec = Speculation(TIERS, warmup=1, cooldown=1)
+    compiled, args = eagle3_jax.decode.compile_generate(target, drafter, prompts[:2], max_new_tokens=256,
+                                                        speculation=spec, round_ms=(1.0, 1.0, 100.0))
+    res = compiled(*args)
+    n = np.asarray(res["n_out"])
+    assert (n < 256).all()  # both answers end by themselves
+    for tier in range(len(TIERS)):
+        forced = compiled(*eagle3_jax.decode.forced_args(args, tier, 256, keep_stops=True))
+        ran = np.asarray(forced["accept"]) != -1
+        assert (np.asarray(forced["round_tier"])[ran] == tier).all()
+        np.testing.assert_array_equal(np.asarray(forced["n_out"]), n)
+        for b in range(2):
+            assert np.asarray(forced["out"])[b, : n[b]].tolist() == np.asarray(res["out"])[b, : n[b]].tolist()
+
+
+def test_round_costs_are_timed_over_the_same_tokens_for_every_tier():
+    """Each tier is forced for the rounds that make the same new tokens per row (so a long
+    chain is not timed deeper into the answer than a short one), as many as the slowest tier
+    per token makes in about ``seconds_long``, within ``[4 * rounds, max_new - 1]`` tokens."""
+    caps = eagle3_jax.decode._stretch_caps
+    # (rounds run, new tokens per row, seconds): plain steps, a chain of 4, a chain of 14
+    first = [(8, 8.0, 0.030), (8, 36.0, 0.075), (8, 78.0, 0.170)]
+    got = caps(first, rounds=8, seconds_long=0.4, max_new=256)
+    span = 0.4 / (0.030 / 8.0)  # the plain tier is the slowest per token
+    for (ran, made, _), cap in zip(first, got):
+        assert span <= cap * made / ran < span + made / ran  # the fewest rounds that cover the span
+    assert got[0] > got[1] > got[2] == 11
+    assert caps(first, rounds=8, seconds_long=0.4, max_new=40) == [39, 9, 8]  # at most max_new - 1 tokens, 8 rounds
+    assert caps(first, rounds=8, seconds_long=0.001, max_new=256)[0] == 32  # at least 4 * rounds tokens
