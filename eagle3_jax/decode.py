@@ -397,9 +397,10 @@ def _rounds(target, drafter, st: _State, loop: _Loop, force_tier, cap, min_activ
                                        burst if t is None else tier_rounds(i), s)
             return s
 
-    # A forced tier is a measurement of its round cost: rows end at their limit or the cap, not
-    # at a stop token, so that every measured call runs its rounds whatever the text says
-    # (unless ``keep_stops``: the call's own answers, timed as they end).
+    # A forced tier is a measurement of its round cost: with ``keep_stops`` over the call's own
+    # answers, as they end (``generate``'s round costs); without, rows end at their limit or
+    # the cap, not at a stop token, so that every measured call runs its rounds whatever the
+    # text says (``cost.forced_rounds``, and answers too short to time).
     stops = st.stops
     st = dataclasses.replace(st, step=jnp.int32(0), stops=jnp.where((force_tier >= 0) & jnp.logical_not(keep_stops), -1, stops))
     return dataclasses.replace(jax.lax.while_loop(going, body, st), stops=stops)
@@ -894,7 +895,8 @@ def forced_args(args: tuple, tier: int, rounds: int, keep_stops: bool = False) -
 
 def forced_call(compiled, args, tier: int, rounds: int, keep_stops: bool = False) -> tuple[float, int]:
     """One measurement call (:func:`forced_args`) of ``compile_generate``'s program: its wall
-    seconds and the rounds it ran (``max_new_tokens`` may end it before ``rounds``)."""
+    seconds and the rounds it ran (``max_new_tokens``, and with ``keep_stops`` the stop
+    tokens, may end it before ``rounds``)."""
     seconds, res = _timed_call(compiled, forced_args(args, tier, rounds, keep_stops))
     return seconds, _loop_rounds(res)
 
@@ -933,9 +935,10 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float
     in about ``seconds_long``, at least ``4 * rounds`` and at most ``max_new_tokens - 1``; a
     tier's cost is its call less a call stopped after the prefill, over the rounds it ran
     (what a call costs besides its rounds cancels out: the prefill, the launch, the output's
-    transfer).  Stop tokens end the rows as in the call, unless some tier's first ``rounds``
-    rounds would already end every row (answers too short to time): then every tier is
-    forced past them.  Each call is the fastest of ``repeats`` passes that time every tier
+    transfer).  Stop tokens end the rows as in the call (so a tier's stretch ends where the
+    answers end, if sooner), unless some tier's first ``rounds`` rounds would already end
+    every row, some at a stop token (answers too short to time): then every tier is forced
+    past them.  Measured on the first call of the program; later calls reuse it.  Each call is the fastest of ``repeats`` passes that time every tier
     in turn (in an order that rotates), so that a slow spell of a shared machine falls on
     every tier alike."""
     if id(compiled) in _ROUND_MS:
@@ -946,18 +949,21 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float
 
     def first_pass(keep_stops: bool):
         base = forced_call(compiled, args, 0, 0)[0]
-        out = []
+        out, short = [], False
         for tier in range(n_tiers):
             t, res = _timed_call(compiled, forced_args(args, tier, rounds, keep_stops))
-            made = max(float(np.asarray(res["n_out"]).mean()) - 1.0, 1.0)  # tokens per row after the prefill's
-            out.append((_loop_rounds(res), made, max(t - base, 1e-6)))
-        return out
+            n_out = np.asarray(res["n_out"])
+            ran = _loop_rounds(res)
+            # every row ended within the first rounds, some at a stop token (not max_new_tokens)
+            short |= ran < rounds and bool((n_out < max_new).any())
+            out.append((ran, max(float(n_out.mean()) - 1.0, 1.0), max(t - base, 1e-6)))  # new tokens per row
+        return out, short
 
     keep_stops = True
-    first = first_pass(keep_stops)
-    if min(r for r, _, _ in first) < rounds:  # some tier ends every row within its first rounds
+    first, short = first_pass(keep_stops)
+    if short:  # answers too short to time: every tier forced past its stops
         keep_stops = False
-        first = first_pass(keep_stops)
+        first, _ = first_pass(keep_stops)
     cap = _stretch_caps(first, rounds, seconds_long, max_new)
 
     best, ran = {}, {}

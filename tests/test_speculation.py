@@ -317,9 +317,9 @@ def test_learned_estimates_carry_over_to_the_next_call(pair):
 
 
 def test_round_costs_are_measured_past_the_answers_end(pair):
-    """A tier's round cost is measured by forcing it for some rounds of the call's own
-    program; a short answer's stop token must not cut that short (it would time a round or
-    two against the prefill), while the call itself still stops there."""
+    """A tier can be forced past the answer's end (``cost.forced_rounds``, and ``generate``'s
+    round costs when the answers are too short to time): the answer's stop token does not
+    cut the forced rounds short, while the call itself still stops there."""
     target, drafter, _, prompts = pair
     spec = Speculation(TIERS, warmup=1, cooldown=1)
     compiled, args = eagle3_jax.decode.compile_generate(target, drafter, prompts[:1], max_new_tokens=96,
@@ -368,3 +368,37 @@ def test_round_costs_are_timed_over_the_same_tokens_for_every_tier():
     assert got[0] > got[1] > got[2] == 11
     assert caps(first, rounds=8, seconds_long=0.4, max_new=40) == [39, 9, 8]  # at most max_new - 1 tokens, 8 rounds
     assert caps(first, rounds=8, seconds_long=0.001, max_new=256)[0] == 32  # at least 4 * rounds tokens
+
+
+@pytest.mark.parametrize("answer, max_new, keeps", [(120, 256, True), (30, 256, False), (120, 40, True)])
+def test_round_ms_times_every_tier_over_the_same_tokens(monkeypatch, answer, max_new, keeps):
+    """``generate``'s round costs (a stand-in program: a prefill of 5 ms, rounds of 2, 5 and
+    9 ms making 1, 4 and 10 tokens per row, answers of ``answer`` tokens): every tier is timed
+    over the same new tokens, with the stop tokens kept; past them when some tier's first 8
+    rounds end every row at a stop (answers too short to time), not when ``max_new_tokens``
+    does; a round costs the call less the prefill-only call, over its rounds."""
+    import math
+
+    import jax.numpy as jnp
+
+    decode = eagle3_jax.decode
+    costs, per_round, calls = (2.0, 5.0, 9.0), (1, 4, 10), []
+
+    def program(compiled, args):
+        tier, cap, keep = int(args[8]), int(args[9]), bool(args[10])
+        limit = min(answer, max_new - 1) if keep else max_new - 1  # new tokens a row can make
+        ran = min(cap, math.ceil(limit / per_round[tier]))
+        made = min(ran * per_round[tier], limit)
+        calls.append((tier, cap, keep, made))
+        accept = np.full((2, 512), -1)
+        accept[:, :ran] = per_round[tier] - 1
+        return 0.005 + 1e-3 * costs[tier] * ran, {"n_out": np.full((2,), 1 + made), "accept": accept}
+
+    monkeypatch.setattr(decode, "_timed_call", program)
+    monkeypatch.setattr(decode, "_ROUND_MS", {})
+    args = (None,) * 9 + (jnp.int32(max_new), jnp.bool_(False), None)
+    assert decode._round_ms(object(), args, 3) == pytest.approx(costs)
+    timed = [c for c in calls[-4:] if c[1] > 0]  # the last pass: the prefill alone, then each tier
+    assert len(timed) == 3 and {keep for _, _, keep, _ in timed} == {keeps}, timed
+    made = [m for *_, m in timed]
+    assert max(made) - min(made) < max(per_round), timed  # the same tokens, to within a round
