@@ -11,7 +11,8 @@ The adaptive policy maximises expected committed tokens per millisecond:
 
 * expected tokens per round: for chains, ``1 + Σ_i Π_{j≤i} a_j`` from running per-position
   acceptance rates ``a`` (exponentially decayed counts shared by all chain tiers, each
-  position's updated and aged only by the rounds that drafted it, and shrunk toward the rate
+  position's updated only by the rounds that draft it, which age what it showed before by
+  every round since it was last drafted, and shrunk toward the rate
   of all positions together; one offered fewer than ``THIN`` times in fewer than
   ``THIN_ROUNDS`` chain rounds is taken at no less than that rate, so that a longer chain whose
   deep positions a warm-up of one row judged is tried again when it might win and then judged
@@ -25,10 +26,12 @@ The adaptive policy maximises expected committed tokens per millisecond:
   ``tiers``; an untried tree is estimated optimistically (each level as ``top_k``
   independent tries), so it is tried once when it might win and then judged on its own
   rounds; with ``None`` among the tiers it falls back to no drafting when no tier beats a
-  plain step, and tries the longest chain again after ``probe`` plain rounds (a wait that
-  doubles, up to ``probe_max``, each time a try falls straight back, and restarts at ``probe``
-  once drafting has paid again: a poor stretch costs one short wait, a drafter that never
-  pays costs a try every ``probe_max`` rounds).
+  plain step.  Away from the longest chain (on no drafting, a shorter chain or a tree) it
+  tries that chain again after ``probe`` rounds, since only its rounds inform the deep
+  positions (and acceptance at all, after plain rounds): a wait that doubles, up to
+  ``probe_max``, each time a try falls straight back, and restarts at ``probe`` once the
+  chain was kept again: a poor stretch costs one short wait, a drafter (or a depth) that
+  never pays costs a try every ``probe_max`` rounds.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of 
 # to THIN).  Read when a program is traced: set them before compiling.
 THIN = 4.0
 THIN_ROUNDS = 8.0
+IDLE_MAX = 1000.0  # rounds since a position was drafted are counted up to this (DECAY ** 1000 is 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +65,11 @@ class Speculation:
     ``tiers``: ``TreeConfig`` s and ``None`` (no drafting), each at most once; ``policy``: ``"adaptive"`` or
     ``"fixed"`` (always ``tiers[0]``); ``warmup``: rounds on the longest chain before adapting;
     ``cooldown``: the fewest rounds between switches; ``min_tier`` / ``max_tier``: the
-    indices the policy may choose from; ``probe``: after this many rounds without drafting,
+    indices the policy may choose from; ``probe``: after this many rounds on other tiers,
     the longest chain is tried again for ``cooldown`` rounds (acceptance is only learned from
-    drafting rounds, so without probes one bad stretch would end drafting for good; 0: never);
-    each try that falls straight back to no drafting doubles the wait, up to ``probe_max``.
+    drafting rounds, and a deep position only from rounds that reach it, so without probes
+    one bad stretch would end drafting, or the long chain, for good; 0: never); each try that
+    falls straight back doubles the wait, up to ``probe_max``.
     """
 
     tiers: tuple
@@ -149,9 +154,11 @@ class Controller:
     hits: jax.Array  # [D] decayed accepted counts per draft position (chains)
     trials: jax.Array  # [D] decayed offered counts per draft position (chains)
     drafts: jax.Array  # [D] decayed count of the chain rounds that drafted each position
+    idle: jax.Array  # [D] rounds since a chain round last drafted each position
     mean: jax.Array  # [T] running committed tokens per round, per tier
     tried: jax.Array  # [T] bool
-    wait: jax.Array  # plain rounds before the next try of drafting
+    wait: jax.Array  # rounds away from the longest chain before the next try of it
+    away: jax.Array  # rounds since the longest chain (the warm-up tier) last ran
     probed: jax.Array  # bool: the current tier was entered by such a try
     round_ms: jax.Array  # [T] milliseconds per round, per tier
 
@@ -160,9 +167,9 @@ def fresh(spec: Speculation) -> dict:
     """What the policy knows before any round: nothing (``learned`` of a new controller)."""
     D, T = max(spec.positions, 1), len(spec.tiers)
     return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
-            "drafts": jnp.zeros((D,), jnp.float32),
+            "drafts": jnp.zeros((D,), jnp.float32), "idle": jnp.zeros((D,), jnp.float32),
             "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe),
-            "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
+            "away": jnp.int32(0), "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
             "probed": jnp.bool_(False)}
 
 
@@ -171,8 +178,10 @@ def learned(ctl: Controller) -> dict:
     where the policy stands (its tier, the rounds since the last switch, the wait before the
     next try of drafting), so that a drafter that never pays is tried every ``probe_max``
     plain rounds over all the calls, not at each call's start."""
-    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "mean": ctl.mean,
-            "tried": ctl.tried, "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since, "probed": ctl.probed}
+    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "idle": ctl.idle,
+            "mean": ctl.mean,
+            "tried": ctl.tried, "wait": ctl.wait, "away": ctl.away, "tier": ctl.tier, "since": ctl.since,
+            "probed": ctl.probed}
 
 
 def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
@@ -181,8 +190,8 @@ def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     from nothing; picks its first tier."""
     prior = fresh(spec) if prior is None else prior
     ctl = Controller(prior["tier"], prior["since"], prior["rounds"], prior["hits"],
-                     prior["trials"], prior["drafts"], prior["mean"], prior["tried"], prior["wait"], prior["probed"],
-                     jnp.asarray(round_ms, jnp.float32))
+                     prior["trials"], prior["drafts"], prior["idle"], prior["mean"], prior["tried"], prior["wait"], prior["away"],
+                     prior["probed"], jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
 
@@ -200,17 +209,22 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
     i = jnp.arange(1, D + 1)[None]
     offered = (accepted_B[:, None] >= i - 1) & (i <= depth) & drafted_B[:, None]
     took = (accepted_B[:, None] >= i) & (i <= depth) & drafted_B[:, None]
-    # a chain round informs (and ages) only the positions it drafted: the estimates of deeper
-    # positions wait for a longer chain instead of fading to the prior
+    # a chain round informs only the positions it drafted: the estimates of deeper positions
+    # wait for a longer chain instead of fading to the prior; when one drafts them again,
+    # what they showed before is aged by every round since (so the new rounds, not a stretch
+    # long past, decide whether that chain stays)
     drafted_pos = seen & is_chain & (i[0] <= depth)
-    hits = jnp.where(drafted_pos, DECAY * ctl.hits + took.sum(0), ctl.hits)
-    trials = jnp.where(drafted_pos, DECAY * ctl.trials + offered.sum(0), ctl.trials)
-    drafts = jnp.where(drafted_pos, DECAY * ctl.drafts + 1.0, ctl.drafts)
+    age = DECAY ** (ctl.idle + 1.0)
+    hits = jnp.where(drafted_pos, age * ctl.hits + took.sum(0), ctl.hits)
+    trials = jnp.where(drafted_pos, age * ctl.trials + offered.sum(0), ctl.trials)
+    drafts = jnp.where(drafted_pos, age * ctl.drafts + 1.0, ctl.drafts)
+    idle = jnp.where(drafted_pos, 0.0, jnp.minimum(ctl.idle + 1.0, IDLE_MAX))
     obs = (w * (accepted_B + 1)).sum() / n
     this = jnp.arange(T) == ctl.tier
     mean = jnp.where(this & seen, jnp.where(ctl.tried, DECAY * ctl.mean + (1 - DECAY) * obs, obs), ctl.mean)
-    ctl = dataclasses.replace(ctl, hits=hits, trials=trials, drafts=drafts, mean=mean, tried=ctl.tried | (this & seen),
-                              rounds=ctl.rounds + 1, since=ctl.since + 1)
+    away = jnp.where(ctl.tier == _warmup_tier(spec), 0, ctl.away + 1)
+    ctl = dataclasses.replace(ctl, hits=hits, trials=trials, drafts=drafts, idle=idle, mean=mean, tried=ctl.tried | (this & seen),
+                              rounds=ctl.rounds + 1, since=ctl.since + 1, away=away)
     return _choose(ctl, spec)
 
 
@@ -256,14 +270,16 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     switch = ((ctl.since >= spec.cooldown) | (ctl.rounds == spec.warmup)) & (best != ctl.tier)  # free after warm-up
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
     wait, probed = ctl.wait, ctl.probed
-    if None in spec.tiers and spec.probe and spec.tiers[_warmup_tier(spec)] is not None:
-        none = spec.tiers.index(None)
-        probing = ~warming & (ctl.tier == none) & (ctl.since >= ctl.wait)
+    if spec.probe and spec.tiers[_warmup_tier(spec)] is not None:
+        # Only the longest chain's rounds inform its deep positions (and only no drafting's
+        # rounds are free of drafts): away from it, after ``wait`` rounds, it is tried again
+        home = ctl.tier == warm_tier
+        probing = ~warming & ~home & (ctl.away >= ctl.wait)
         tier = jnp.where(probing, warm_tier, tier)
-        # back to no drafting straight from a try: wait twice as long; after drafting paid: the shortest wait
-        dropped = (tier == none) & (ctl.tier != none)
+        # left straight from a try: wait twice as long; after it was kept: the shortest wait
+        left = home & (tier != warm_tier)
         backoff = jnp.where(ctl.probed & (ctl.since <= spec.cooldown), jnp.minimum(2 * ctl.wait, spec.probe_max), spec.probe)
-        wait = jnp.where(dropped, backoff, wait)
+        wait = jnp.where(left, backoff, wait)
         probed = jnp.where(tier != ctl.tier, probing, probed)
     return dataclasses.replace(ctl, tier=tier, since=jnp.where(tier != ctl.tier, 0, ctl.since), wait=wait,
                                probed=probed)

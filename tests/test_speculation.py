@@ -128,8 +128,9 @@ def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
     shown that rate, the policy tries chain14 instead of keeping chain6 for good (without the
     rule the two misses hold chain14 at 11.0 expected tokens, 0.58 tokens/ms against chain6's
     0.61, and nothing after the warm-up revisits positions 7-14). Then chain14 is judged on its
-    own rounds: kept where it pays, dropped for good where its deep positions really fail
-    (that second case holds under either rule: it guards against the optimism lasting)."""
+    own rounds: kept where it pays, dropped where its deep positions really fail, and then
+    tried only after waits that double (the probe away from the longest chain; it guards
+    against the optimism lasting)."""
     import jax.numpy as jnp
 
     spec = Speculation((None, TreeConfig.chain(6), TreeConfig.chain(14)), warmup=2, cooldown=4)
@@ -139,8 +140,41 @@ def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
         warm = speculation.update(warm, spec, jnp.full((1,), accepted), jnp.ones((1,), bool))
     ctl, ran = _policy_run(warm, spec, 60, GOOD)
     assert ran[-40:] == [2] * 40, ran  # tried, and kept: it pays
-    ctl, ran = _policy_run(warm, spec, 60, (7,) * 20)
-    assert ran[-40:] == [1] * 40 and ran.count(2) <= 8, ran
+    ctl, ran = _policy_run(warm, spec, 300, (7,) * 20)
+    runs = _runs(ran[spec.warmup:])
+    assert runs[:2] == [(1, 2), (2, spec.cooldown)], runs  # the thin positions' try, dropped
+    tries = runs[2:-1:2]
+    assert [n for _, n in tries] == [16, 32, 64, 128] and {t for t, _ in tries} == {1}, runs
+    assert all(r == (2, spec.cooldown) for r in runs[3:-1:2]), runs  # each try: one cooldown
+    assert ran.count(2) <= 0.1 * len(ran), ran
+
+
+def _runs(tiers):
+    """``[(tier, rounds in a row), ...]``."""
+    out = []
+    for t in tiers:
+        if out and out[-1][0] == t:
+            out[-1] = (t, out[-1][1] + 1)
+        else:
+            out.append((t, 1))
+    return out
+
+
+def test_a_long_chain_left_in_a_poor_stretch_is_tried_again():
+    """A good drafter on chain14, then a stretch where every row fails at draft position 9
+    (chain6 pays more there), then good again. Chain6's rounds say nothing about positions
+    7-14, whose low estimates are real evidence, not thin: without a try of chain14 after
+    ``probe`` rounds away from it, chain6 would run for good. The try's rounds decide, since
+    what a position showed before is aged by every round since it was last drafted."""
+    spec = Speculation((None, TreeConfig.chain(6), TreeConfig.chain(14)), warmup=2, cooldown=4)
+    ctl = speculation.init(spec, (2.7, 10.7, 19.0))
+    ctl, ran = _policy_run(ctl, spec, 30, GOOD)
+    assert ran[-20:] == [2] * 20, ran
+    ctl, ran = _policy_run(ctl, spec, 30, (8,) * 20)
+    assert ran[-10:].count(1) >= 6, ran  # left for chain6 (a try of chain14 may fall here)
+    ctl, ran = _policy_run(ctl, spec, 100, GOOD)
+    assert ran[-40:] == [2] * 40, ran  # back on chain14, and kept
+    assert ran.index(2, ran.index(1)) <= 2 * spec.probe + spec.cooldown, ran  # within two tries
 
 
 def test_a_rarely_reached_position_is_judged_after_a_few_rounds_of_its_chain():
