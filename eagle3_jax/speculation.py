@@ -27,11 +27,13 @@ The adaptive policy maximises expected committed tokens per millisecond:
   independent tries), so it is tried once when it might win and then judged on its own
   rounds; with ``None`` among the tiers it falls back to no drafting when no tier beats a
   plain step.  Away from the longest chain (on no drafting, a shorter chain or a tree) it
-  tries that chain again after ``probe`` rounds, since only its rounds inform the deep
-  positions (and acceptance at all, after plain rounds): a wait that doubles, up to
-  ``probe_max``, each time a try falls straight back, and restarts at ``probe`` once the
-  chain was kept again: a poor stretch costs one short wait, a drafter (or a depth) that
-  never pays costs a try every ``probe_max`` rounds.
+  tries that chain again after ``probe`` rounds (a tier just entered first keeping its
+  ``cooldown``), since only its rounds inform the deep positions (and acceptance at all,
+  after plain rounds): a wait that doubles, up to ``probe_max``, each time a try falls
+  straight back, and restarts at ``probe`` once the chain was kept again: a poor stretch
+  costs one short wait, a drafter (or a depth) that never pays costs a try every
+  ``probe_max`` rounds.  With no chain among the tiers, the first drafting tier is tried
+  again the same way, from no drafting only.
 """
 
 from __future__ import annotations
@@ -174,10 +176,11 @@ def fresh(spec: Speculation) -> dict:
 
 
 def learned(ctl: Controller) -> dict:
-    """What a later call starts from (its round costs are measured anew): the estimates, and
-    where the policy stands (its tier, the rounds since the last switch, the wait before the
-    next try of drafting), so that a drafter that never pays is tried every ``probe_max``
-    plain rounds over all the calls, not at each call's start."""
+    """What a later call starts from (its round costs are measured anew): the estimates (and
+    the rounds since each draft position was drafted), and where the policy stands (its tier,
+    the rounds since the last switch and since the longest chain ran, the wait before its
+    next try), so that a drafter or a depth that never pays is tried every ``probe_max``
+    rounds over all the calls, not at each call's start."""
     return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "idle": ctl.idle,
             "mean": ctl.mean,
             "tried": ctl.tried, "wait": ctl.wait, "away": ctl.away, "tier": ctl.tier, "since": ctl.since,
@@ -212,12 +215,13 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
     # a chain round informs only the positions it drafted: the estimates of deeper positions
     # wait for a longer chain instead of fading to the prior; when one drafts them again,
     # what they showed before is aged by every round since (so the new rounds, not a stretch
-    # long past, decide whether that chain stays)
+    # long past, decide whether that chain stays; the count of rounds that drafted them is
+    # not, so that a position judged before is not taken as thin evidence again)
     drafted_pos = seen & is_chain & (i[0] <= depth)
     age = DECAY ** (ctl.idle + 1.0)
     hits = jnp.where(drafted_pos, age * ctl.hits + took.sum(0), ctl.hits)
     trials = jnp.where(drafted_pos, age * ctl.trials + offered.sum(0), ctl.trials)
-    drafts = jnp.where(drafted_pos, age * ctl.drafts + 1.0, ctl.drafts)
+    drafts = jnp.where(drafted_pos, DECAY * ctl.drafts + 1.0, ctl.drafts)  # not aged: judged before, not thin again
     idle = jnp.where(drafted_pos, 0.0, jnp.minimum(ctl.idle + 1.0, IDLE_MAX))
     obs = (w * (accepted_B + 1)).sum() / n
     this = jnp.arange(T) == ctl.tier
@@ -270,14 +274,20 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
     switch = ((ctl.since >= spec.cooldown) | (ctl.rounds == spec.warmup)) & (best != ctl.tier)  # free after warm-up
     tier = jnp.where(warming, warm_tier, jnp.where(switch, best, ctl.tier))
     wait, probed = ctl.wait, ctl.probed
-    if spec.probe and spec.tiers[_warmup_tier(spec)] is not None:
-        # Only the longest chain's rounds inform its deep positions (and only no drafting's
-        # rounds are free of drafts): away from it, after ``wait`` rounds, it is tried again
-        home = ctl.tier == warm_tier
-        probing = ~warming & ~home & (ctl.away >= ctl.wait)
+    warm = spec.tiers[_warmup_tier(spec)]
+    if spec.probe and warm is not None and (warm.top_k == 1 or None in spec.tiers):
+        if warm.top_k == 1:
+            # only the longest chain's rounds inform its deep positions (and acceptance at all,
+            # after plain steps): away from it for ``wait`` rounds, it is tried again
+            gone, home, waited = ctl.tier != warm_tier, ctl.tier == warm_tier, ctl.away
+        else:  # no chain: tried again from plain steps only (trees' rounds inform themselves)
+            none = spec.tiers.index(None)
+            gone, home, waited = ctl.tier == none, ctl.tier != none, ctl.since
+        # a tier just entered keeps it for its cooldown first (or the wait, if shorter)
+        probing = ~warming & gone & (waited >= ctl.wait) & (ctl.since >= jnp.minimum(spec.cooldown, ctl.wait))
         tier = jnp.where(probing, warm_tier, tier)
         # left straight from a try: wait twice as long; after it was kept: the shortest wait
-        left = home & (tier != warm_tier)
+        left = home & (tier != warm_tier) if warm.top_k == 1 else (tier == none) & home
         backoff = jnp.where(ctl.probed & (ctl.since <= spec.cooldown), jnp.minimum(2 * ctl.wait, spec.probe_max), spec.probe)
         wait = jnp.where(left, backoff, wait)
         probed = jnp.where(tier != ctl.tier, probing, probed)

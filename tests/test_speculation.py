@@ -59,7 +59,7 @@ def test_policy_follows_expected_tokens_per_ms(pair, round_ms, want):
     with the most expected tokens per millisecond (chain4 commits ~4 tokens a round for 1 ms;
     nothing beats a plain step that costs 100× less)."""
     target, drafter, tok, prompts = pair
-    spec = Speculation(TIERS, warmup=1, cooldown=1, probe=0)  # no tries of drafting from plain rounds (their own test is below)
+    spec = Speculation(TIERS, warmup=1, cooldown=1, probe=0)  # no tries of the longest chain (their own tests are below)
     # the math prompt: 96 new tokens of thinking, so that every tier runs a dozen rounds or more
     res = eagle3_jax.generate(target, drafter, prompts[1:2], max_new_tokens=96, speculation=spec, round_ms=round_ms)
     rest = _after_warmup(res, spec)
@@ -147,6 +147,17 @@ def test_a_long_chain_judged_by_a_few_warm_up_rows_is_tried_again():
     assert [n for _, n in tries] == [16, 32, 64, 128] and {t for t, _ in tries} == {1}, runs
     assert all(r == (2, spec.cooldown) for r in runs[3:-1:2]), runs  # each try: one cooldown
     assert ran.count(2) <= 0.1 * len(ran), ran
+
+
+def test_a_depth_one_row_never_reaches_is_tried_ever_more_rarely():
+    """One row that always fails at draft position 9 (chain6 pays more): the tries of chain14
+    thin out to waits that double, although each try ages what the position showed before
+    (the count of rounds that drafted it is not aged, so it is not taken as thin again)."""
+    spec = Speculation((None, TreeConfig.chain(6), TreeConfig.chain(14)), warmup=2, cooldown=4)
+    ctl, ran = _policy_run(speculation.init(spec, (2.7, 10.7, 19.0)), spec, 400, (8,))
+    runs = _runs(ran[spec.warmup:])
+    assert [n for t, n in runs[-7:-1:2]] == [32, 64, 128] and {t for t, _ in runs[-7:-1:2]} == {1}, runs
+    assert ran.count(2) <= 0.12 * len(ran), runs
 
 
 def _runs(tiers):
