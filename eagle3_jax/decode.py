@@ -1032,19 +1032,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                    thinking_grace=thinking_grace, think_token_ids=think_token_ids,
                                    end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms,
                                    mesh=mesh, rules=rules)
-    warm = None
-    if warm_up and id(compiled) not in _RAN:
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        warm = time.perf_counter() - start
-    first_token = None
-    if time_first_token:
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*forced_args(args, -1, 0)))
-        first_token = time.perf_counter() - start
-    start = time.perf_counter()
-    res = jax.block_until_ready(compiled(*args))
-    seconds = time.perf_counter() - start
+    warm = _timed_call(compiled, args)[0] if warm_up and id(compiled) not in _RAN else None
+    first_token = _timed_call(compiled, forced_args(args, -1, 0))[0] if time_first_token else None
+    seconds, res = _timed_call(compiled, args)
     _RAN.add(id(compiled))
     if "learned" in res and req.spec.policy == "adaptive":
         policy.remember((nnx.graphdef(target), nnx.graphdef(drafter), req.spec, req.mesh), res["learned"])

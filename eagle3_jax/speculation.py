@@ -57,7 +57,6 @@ PRIOR = 2.0  # pseudo-trials of a position's acceptance estimate at the rate of 
 # to THIN).  Read when a program is traced: set them before compiling.
 THIN = 4.0
 THIN_ROUNDS = 8.0
-IDLE_MAX = 1000.0  # rounds since a position was drafted are counted up to this (DECAY ** 1000 is 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +155,11 @@ class Controller:
     hits: jax.Array  # [D] decayed accepted counts per draft position (chains)
     trials: jax.Array  # [D] decayed offered counts per draft position (chains)
     drafts: jax.Array  # [D] decayed count of the chain rounds that drafted each position
-    idle: jax.Array  # [D] rounds since a chain round last drafted each position
+    idle: jax.Array  # [D] rounds since a chain round last drafted each position (at the longest
+    #                   chain's last one: the rounds since that chain ran)
     mean: jax.Array  # [T] running committed tokens per round, per tier
     tried: jax.Array  # [T] bool
     wait: jax.Array  # rounds away from the longest chain before the next try of it
-    away: jax.Array  # rounds since the longest chain (the warm-up tier) last ran
     probed: jax.Array  # bool: the current tier was entered by such a try
     round_ms: jax.Array  # [T] milliseconds per round, per tier
 
@@ -171,7 +170,7 @@ def fresh(spec: Speculation) -> dict:
     return {"rounds": jnp.int32(0), "hits": jnp.zeros((D,), jnp.float32), "trials": jnp.zeros((D,), jnp.float32),
             "drafts": jnp.zeros((D,), jnp.float32), "idle": jnp.zeros((D,), jnp.float32),
             "mean": jnp.zeros((T,), jnp.float32), "tried": jnp.zeros((T,), bool), "wait": jnp.int32(spec.probe),
-            "away": jnp.int32(0), "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
+            "tier": jnp.int32(0 if spec.policy == "fixed" else _warmup_tier(spec)), "since": jnp.int32(spec.cooldown),
             "probed": jnp.bool_(False)}
 
 
@@ -183,7 +182,7 @@ def learned(ctl: Controller) -> dict:
     rounds over all the calls, not at each call's start."""
     return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "idle": ctl.idle,
             "mean": ctl.mean,
-            "tried": ctl.tried, "wait": ctl.wait, "away": ctl.away, "tier": ctl.tier, "since": ctl.since,
+            "tried": ctl.tried, "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since,
             "probed": ctl.probed}
 
 
@@ -193,7 +192,7 @@ def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     from nothing; picks its first tier."""
     prior = fresh(spec) if prior is None else prior
     ctl = Controller(prior["tier"], prior["since"], prior["rounds"], prior["hits"],
-                     prior["trials"], prior["drafts"], prior["idle"], prior["mean"], prior["tried"], prior["wait"], prior["away"],
+                     prior["trials"], prior["drafts"], prior["idle"], prior["mean"], prior["tried"], prior["wait"],
                      prior["probed"], jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
@@ -222,13 +221,12 @@ def update(ctl: Controller, spec: Speculation, accepted_B, drafted_B) -> Control
     hits = jnp.where(drafted_pos, age * ctl.hits + took.sum(0), ctl.hits)
     trials = jnp.where(drafted_pos, age * ctl.trials + offered.sum(0), ctl.trials)
     drafts = jnp.where(drafted_pos, DECAY * ctl.drafts + 1.0, ctl.drafts)  # not aged: judged before, not thin again
-    idle = jnp.where(drafted_pos, 0.0, jnp.minimum(ctl.idle + 1.0, IDLE_MAX))
+    idle = jnp.where(drafted_pos, 0.0, ctl.idle + 1.0)  # float32: DECAY ** idle reaches 0, no overflow
     obs = (w * (accepted_B + 1)).sum() / n
     this = jnp.arange(T) == ctl.tier
     mean = jnp.where(this & seen, jnp.where(ctl.tried, DECAY * ctl.mean + (1 - DECAY) * obs, obs), ctl.mean)
-    away = jnp.where(ctl.tier == _warmup_tier(spec), 0, ctl.away + 1)
     ctl = dataclasses.replace(ctl, hits=hits, trials=trials, drafts=drafts, idle=idle, mean=mean, tried=ctl.tried | (this & seen),
-                              rounds=ctl.rounds + 1, since=ctl.since + 1, away=away)
+                              rounds=ctl.rounds + 1, since=ctl.since + 1)
     return _choose(ctl, spec)
 
 
@@ -279,7 +277,7 @@ def _choose(ctl: Controller, spec: Speculation) -> Controller:
         if warm.top_k == 1:
             # only the longest chain's rounds inform its deep positions (and acceptance at all,
             # after plain steps): away from it for ``wait`` rounds, it is tried again
-            gone, home, waited = ctl.tier != warm_tier, ctl.tier == warm_tier, ctl.away
+            gone, home, waited = ctl.tier != warm_tier, ctl.tier == warm_tier, ctl.idle[warm.path_len - 2]
         else:  # no chain: tried again from plain steps only (trees' rounds inform themselves)
             none = spec.tiers.index(None)
             gone, home, waited = ctl.tier == none, ctl.tier != none, ctl.since
