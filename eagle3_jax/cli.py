@@ -96,7 +96,11 @@ def _load_pair(args):
         if args.drafter:
             raise ValueError("--drafter needs --target (without --target the built-in pair is used)")
         return (*builtin.load(args.dtype or "float32", attention_impl=args.attention), True)
-    mesh, rules = _mesh(args), _rules(args)  # read straight onto the mesh (the built-in pair is placed by generate)
+    # read straight onto a mesh --mesh names (the built-in pair, and any pair under --mesh auto, are placed by
+    # generate for each call that uses the mesh, so that one-row calls stay on one device)
+    mesh, rules = _mesh(args), _rules(args)
+    if getattr(args, "mesh", None) in (None, AUTO_MESH):
+        mesh = None
     target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention, mesh=mesh,
                                     rules=rules)
     drafter = eagle3_jax.load_drafter(args.drafter, target=target, mesh=mesh, rules=rules) if args.drafter else None
@@ -242,11 +246,16 @@ def _cmd_bench(args) -> int:
 
         trees = [*trees, Speculation((None, *trees))]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
+    mesh = _mesh(args)
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
-           "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+           "mesh": None if mesh is None else dict(mesh.shape)}
+    if mesh is not None and args.mesh in (None, AUTO_MESH):
+        print(f"batches split over {mesh.size} CPU devices, one per core (a data={mesh.size} mesh: --mesh auto, the "
+              "default; --mesh none for one device)", flush=True)
     if args.cost:
         doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
-                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), _mesh(args),
+                                   args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), mesh,
                                    _rules(args))
         write_atomic(json_path, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {json_path}")
@@ -255,7 +264,7 @@ def _cmd_bench(args) -> int:
     reports = [run_bench(target, drafter, prompts, trees=trees, max_new_tokens=max_new, temperature=t,
                          top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
                          repeats=args.repeats, grade=grade, categories=categories, parts=parts,
-                         generate_kw={**_thinking_kw(args, tok), "mesh": _mesh(args), "rules": _rules(args)})
+                         generate_kw={**_thinking_kw(args, tok), "mesh": mesh, "rules": _rules(args)})
                for max_new in (args.max_new_tokens_sweep or [_max_new_tokens(args, is_builtin=False)]) for t in temperatures]
     doc["reports"] = reports
     text = json.dumps(doc, indent=2) + "\n"
@@ -544,14 +553,90 @@ def _rules(args):
 
 
 def _mesh(args):
-    """The ``--mesh`` of a command, built on this process's devices (or ``None``)."""
-    if getattr(args, "mesh", None) is None:
-        if _rules(args) is not None:
-            raise ValueError("--rules needs --mesh")
+    """The ``--mesh`` of a command, built on this process's devices (``None``: one device).
+    Without ``--mesh`` (or with ``--mesh auto``) the batch is split over the CPU's cores where
+    that helps: :func:`_core_mesh`."""
+    mesh = getattr(args, "mesh", None)
+    if _rules(args) is not None and mesh in (None, NO_MESH):
+        raise ValueError("--rules needs --mesh")
+    if mesh in (None, AUTO_MESH):
+        return _core_mesh(args)
+    if mesh == NO_MESH:
         return None
     from eagle3_jax.sharding import make_mesh
 
-    return make_mesh(**args.mesh)
+    return make_mesh(**mesh)
+
+
+AUTO_MESH, NO_MESH = "auto", "none"  # --mesh's two words besides mesh axes
+
+
+def _mesh_arg(text: str):
+    """``--mesh``: ``auto``, ``none`` or mesh axes (``data=2,tensor=4``)."""
+    word = text.strip().lower()
+    return word if word in (AUTO_MESH, NO_MESH) else _sharding_arg("parse_mesh")(text)
+
+
+def _batch(args) -> int:
+    """The most rows a command decodes at once: ``bench``'s ``--batch-size`` (``--cost``
+    steps batches of up to 32 rows as well), one prompt for ``generate``."""
+    batch = getattr(args, "batch_size", 1)
+    return max(batch, 32) if getattr(args, "cost", False) else batch
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _use_cores(args) -> None:
+    """Before JAX starts, for ``--mesh auto`` (the default of ``generate`` and ``bench``): one
+    JAX CPU device per core, so that :func:`_core_mesh` can split a batch over the cores.
+    Left alone where the environment names the count (``XLA_FLAGS``'
+    ``--xla_force_host_platform_device_count``, ``JAX_NUM_CPU_DEVICES``) and where JAX's
+    backends have already started (a caller that ran JAX before ``main``).  A program that
+    runs on one device is as fast either way."""
+    if getattr(args, "mesh", NO_MESH) not in (None, AUTO_MESH):
+        return
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or "JAX_NUM_CPU_DEVICES" in os.environ:
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", _cores())
+    except RuntimeError:  # the backends have started: keep their devices
+        pass
+
+
+def _core_mesh(args):
+    """``--mesh auto``: on a CPU with several JAX devices (one per core, :func:`_use_cores`),
+    a ``data`` mesh of as many of them as the batch has rows (at most all), so that each core
+    decodes its share of the rows (XLA:CPU runs each dot of a small model's step on one core);
+    ``None`` (one device) for one row, on an accelerator, or where the weights' extra copies
+    (one per device) would take more than a quarter of the machine's memory."""
+    import jax
+
+    devices = jax.devices()
+    n = min(len(devices), _batch(args))
+    if n < 2 or devices[0].platform != "cpu":
+        return None
+    from eagle3_jax import builtin
+    from eagle3_jax.sharding import make_mesh
+
+    dirs = [args.target, args.drafter] if args.target is not None else [builtin.TARGET_DIR, builtin.DRAFTER_DIR]
+    weights = sum(f.stat().st_size for d in dirs if d is not None for f in Path(d).glob("*.safetensors"))
+    if args.dtype == "float32":  # a 16-bit checkpoint read as float32 (an overestimate for a float32 one)
+        weights *= 2
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # unknown: one device
+        return None
+    if (n - 1) * weights > memory // 4:
+        return None
+    return make_mesh(data=n, devices=devices[:n])
 
 
 def _token_ids(text: str) -> list[int]:
@@ -584,10 +669,11 @@ def _common(p, mesh: bool = True):
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
     if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
-        p.add_argument("--mesh", type=_sharding_arg("parse_mesh"), default=None, metavar="AXES",
+        p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
                             "heads, the batch over data (on CPU, simulate devices with "
-                            "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+                            "XLA_FLAGS=--xla_force_host_platform_device_count=8); none: one device; auto (the "
+                            "default): on a CPU, a batch split over its cores, one JAX device each (data=N)")
         p.add_argument("--rules", type=_sharding_arg("parse_rules"), action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
                        help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
                             "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
@@ -745,9 +831,11 @@ def _one_line(e: BaseException) -> str:
     return msg
 
 
-def main(argv=None) -> int:
+def main(argv=None, cores: bool = False) -> int:
     """Runs the command line; returns the exit status (2 for any input error, one line on
-    stderr; 130 when interrupted).  ``--debug`` re-raises errors with their traceback."""
+    stderr; 130 when interrupted).  ``--debug`` re-raises errors with their traceback.
+    ``cores``: one JAX CPU device per core for ``--mesh auto`` (:func:`_use_cores`), as the
+    ``eagle3-jax`` program does; a caller that runs JAX itself keeps its devices."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -760,6 +848,8 @@ def main(argv=None) -> int:
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
+    if cores:
+        _use_cores(args)
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -786,5 +876,11 @@ def main(argv=None) -> int:
         return 2 if known else 1
 
 
+def program() -> int:
+    """The ``eagle3-jax`` program (``python -m eagle3_jax.cli``): :func:`main` on ``sys.argv``,
+    with one JAX CPU device per core."""
+    return main(cores=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())
