@@ -96,11 +96,8 @@ def _load_pair(args):
         if args.drafter:
             raise ValueError("--drafter needs --target (without --target the built-in pair is used)")
         return (*builtin.load(args.dtype or "float32", attention_impl=args.attention), True)
-    # read straight onto a mesh --mesh names (the built-in pair, and any pair under --mesh auto, are placed by
-    # generate for each call that uses the mesh, so that one-row calls stay on one device)
+    # read straight onto a mesh --mesh names (the built-in pair is placed by generate, or by bench under --mesh auto)
     mesh, rules = _mesh(args), _rules(args)
-    if getattr(args, "mesh", None) in (None, AUTO_MESH):
-        mesh = None
     target = eagle3_jax.load_target(args.target, dtype=args.dtype, attention_impl=args.attention, mesh=mesh,
                                     rules=rules)
     drafter = eagle3_jax.load_drafter(args.drafter, target=target, mesh=mesh, rules=rules) if args.drafter else None
@@ -246,11 +243,17 @@ def _cmd_bench(args) -> int:
 
         trees = [*trees, Speculation((None, *trees))]
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
-    mesh = _mesh(args)
+    # --cost steps batches of 1, 8 and 32 rows (those the mesh divides on it), the bench its batches
+    mesh = _mesh(args, 8 if args.cost else min(args.batch_size, len(prompts)))
+    if mesh is not None and _auto(args) and not args.cost:  # placed once for every batch, not in each call
+        from eagle3_jax import sharding
+
+        target = sharding.place_model(target, mesh)
+        drafter = None if drafter is None else sharding.place_model(drafter, mesh)
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "mesh": None if mesh is None else dict(mesh.shape)}
-    if mesh is not None and args.mesh in (None, AUTO_MESH):
+    if mesh is not None and _auto(args):
         print(f"batches split over {mesh.size} CPU devices, one per core (a data={mesh.size} mesh: --mesh auto, the "
               "default; --mesh none for one device)", flush=True)
     if args.cost:
@@ -552,20 +555,18 @@ def _rules(args):
     return getattr(args, "rules", None)
 
 
-def _mesh(args):
-    """The ``--mesh`` of a command, built on this process's devices (``None``: one device).
-    Without ``--mesh`` (or with ``--mesh auto``) the batch is split over the CPU's cores where
-    that helps: :func:`_core_mesh`."""
+def _mesh(args, rows: int = 1):
+    """The ``--mesh`` of a command decoding ``rows`` rows at a time, built on this process's
+    devices (``None``: one device): the axes ``--mesh`` names, or under ``bench``'s
+    ``--mesh auto`` (its default) :func:`_core_mesh`."""
     mesh = getattr(args, "mesh", None)
-    if _rules(args) is not None and mesh in (None, NO_MESH):
-        raise ValueError("--rules needs --mesh")
-    if mesh in (None, AUTO_MESH):
-        return _core_mesh(args)
-    if mesh == NO_MESH:
-        return None
-    from eagle3_jax.sharding import make_mesh
+    if _rules(args) is not None and not isinstance(mesh, dict):
+        raise ValueError("--rules needs --mesh AXES (e.g. --mesh data=2,tensor=4)")
+    if isinstance(mesh, dict):
+        from eagle3_jax.sharding import make_mesh
 
-    return make_mesh(**mesh)
+        return make_mesh(**mesh)
+    return _core_mesh(args, rows) if _auto(args) else None
 
 
 AUTO_MESH, NO_MESH = "auto", "none"  # --mesh's two words besides mesh axes
@@ -577,11 +578,10 @@ def _mesh_arg(text: str):
     return word if word in (AUTO_MESH, NO_MESH) else _sharding_arg("parse_mesh")(text)
 
 
-def _batch(args) -> int:
-    """The most rows a command decodes at once: ``bench``'s ``--batch-size`` (``--cost``
-    steps batches of up to 32 rows as well), one prompt for ``generate``."""
-    batch = getattr(args, "batch_size", 1)
-    return max(batch, 32) if getattr(args, "cost", False) else batch
+def _auto(args) -> bool:
+    """Whether a command splits its batches over the CPU's cores: ``bench`` (``cores`` among
+    its defaults) without ``--mesh`` or with ``--mesh auto``."""
+    return getattr(args, "cores", False) and getattr(args, "mesh", None) in (None, AUTO_MESH)
 
 
 def _cores() -> int:
@@ -593,13 +593,12 @@ def _cores() -> int:
 
 
 def _use_cores(args) -> None:
-    """Before JAX starts, for ``--mesh auto`` (the default of ``generate`` and ``bench``): one
-    JAX CPU device per core, so that :func:`_core_mesh` can split a batch over the cores.
-    Left alone where the environment names the count (``XLA_FLAGS``'
-    ``--xla_force_host_platform_device_count``, ``JAX_NUM_CPU_DEVICES``) and where JAX's
-    backends have already started (a caller that ran JAX before ``main``).  A program that
-    runs on one device is as fast either way."""
-    if getattr(args, "mesh", NO_MESH) not in (None, AUTO_MESH):
+    """Before JAX starts, for a command that splits its batches over the cores (:func:`_auto`):
+    one JAX CPU device per core, for :func:`_core_mesh`.  Left alone where the environment names
+    the count (``XLA_FLAGS``' ``--xla_force_host_platform_device_count``,
+    ``JAX_NUM_CPU_DEVICES``) and where JAX's backends have already started (a caller that ran
+    JAX before ``main``).  A program that runs on one device is as fast either way."""
+    if not _auto(args):
         return
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or "JAX_NUM_CPU_DEVICES" in os.environ:
         return
@@ -611,25 +610,26 @@ def _use_cores(args) -> None:
         pass
 
 
-def _core_mesh(args):
-    """``--mesh auto``: on a CPU with several JAX devices (one per core, :func:`_use_cores`),
-    a ``data`` mesh of as many of them as the batch has rows (at most all), so that each core
-    decodes its share of the rows (XLA:CPU runs each dot of a small model's step on one core);
-    ``None`` (one device) for one row, on an accelerator, or where the weights' extra copies
-    (one per device) would take more than a quarter of the machine's memory."""
+def _core_mesh(args, rows: int):
+    """``--mesh auto``: on a CPU with several JAX devices (one per core, :func:`_use_cores`), a
+    ``data`` mesh of the most of them that divides ``rows``, so that each device decodes its
+    share of the rows (XLA:CPU runs each dot of a small model's step on one core); ``None``
+    (one device) where that is one device (one row), on an accelerator, or where the weights'
+    extra copies (one more per device) would take more than a quarter of the machine's memory."""
     import jax
 
     devices = jax.devices()
-    n = min(len(devices), _batch(args))
+    n = max(d for d in range(1, min(len(devices), rows) + 1) if rows % d == 0)
     if n < 2 or devices[0].platform != "cpu":
         return None
     from eagle3_jax import builtin
     from eagle3_jax.sharding import make_mesh
 
     dirs = [args.target, args.drafter] if args.target is not None else [builtin.TARGET_DIR, builtin.DRAFTER_DIR]
-    weights = sum(f.stat().st_size for d in dirs if d is not None for f in Path(d).glob("*.safetensors"))
-    if args.dtype == "float32":  # a 16-bit checkpoint read as float32 (an overestimate for a float32 one)
-        weights *= 2
+    weights = sum(f.stat().st_size for d in dirs if d is not None for f in Path(d).iterdir()
+                  if f.suffix in (".safetensors", ".bin"))
+    if (args.dtype or ("float32" if args.target is None else None)) == "float32":
+        weights *= 2  # a 16-bit checkpoint read as float32 (an overestimate for a float32 one)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # unknown: one device
@@ -672,8 +672,9 @@ def _common(p, mesh: bool = True):
         p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
                             "heads, the batch over data (on CPU, simulate devices with "
-                            "XLA_FLAGS=--xla_force_host_platform_device_count=8); none: one device; auto (the "
-                            "default): on a CPU, a batch split over its cores, one JAX device each (data=N)")
+                            "XLA_FLAGS=--xla_force_host_platform_device_count=8); none or auto: one device, except "
+                            "that bench's default, auto, splits a batch over a CPU's cores (one JAX device each, "
+                            "data=N)")
         p.add_argument("--rules", type=_sharding_arg("parse_rules"), action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
                        help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
                             "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
@@ -730,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cost", action="store_true",
                        help="report where the time goes instead: decode_step by cache size and batch, and the decode "
                             "loop's parts and cache copies per --max-new-tokens-sweep value (default 64 440)")
-    bench.set_defaults(func=_cmd_bench)
+    bench.set_defaults(func=_cmd_bench, cores=True)  # --mesh auto: batches split over a CPU's cores
 
     exp = sub.add_parser("experiment", help="the two-budget experiment: thinking budget B swept with speculation "
                                             "off, then vanilla vs each tier vs adaptive at chosen B; writes a report")
@@ -834,8 +835,8 @@ def _one_line(e: BaseException) -> str:
 def main(argv=None, cores: bool = False) -> int:
     """Runs the command line; returns the exit status (2 for any input error, one line on
     stderr; 130 when interrupted).  ``--debug`` re-raises errors with their traceback.
-    ``cores``: one JAX CPU device per core for ``--mesh auto`` (:func:`_use_cores`), as the
-    ``eagle3-jax`` program does; a caller that runs JAX itself keeps its devices."""
+    ``cores``: one JAX CPU device per core for ``bench``'s ``--mesh auto`` (:func:`_use_cores`),
+    as the ``eagle3-jax`` program does; a caller that runs JAX itself keeps its devices."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -878,7 +879,7 @@ def main(argv=None, cores: bool = False) -> int:
 
 def program() -> int:
     """The ``eagle3-jax`` program (``python -m eagle3_jax.cli``): :func:`main` on ``sys.argv``,
-    with one JAX CPU device per core."""
+    with one JAX CPU device per core for ``bench``'s batches."""
     return main(cores=True)
 
 

@@ -284,13 +284,9 @@ def _step_model(target, batch: int, mesh, rules=None):
     ``rules`` when it splits them (:func:`on_mesh`), else ``target`` as it is and ``None``."""
     if not on_mesh(mesh, batch, rules):
         return target, None
-    from flax import nnx
-
     from eagle3_jax import sharding
-    from eagle3_jax.models.target import declare
 
-    graphdef, state = nnx.split(target)
-    placed = nnx.merge(graphdef, sharding.place(state, declare(target.config), mesh, rules))
+    placed = sharding.place_model(target, mesh, rules)
     cfg = target.config
     shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the layout does not depend on the slots
     return placed, kv_cache.layout(shape, mesh, rules, name="target KV cache")

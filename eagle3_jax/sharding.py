@@ -232,6 +232,18 @@ def place(state, decl, mesh: Mesh, rules: Mapping | None = None):
     return jax.tree_util.tree_map_with_path(put, state)
 
 
+def place_model(model, mesh: Mesh, rules: Mapping | None = None):
+    """A target or drafter (an ``nnx`` module) with its state :func:`place`-d on ``mesh`` by its
+    declaration (the same module, its arrays on the mesh)."""
+    from flax import nnx
+
+    from eagle3_jax.models import drafter, target
+
+    decl = (target if isinstance(model, target.Target) else drafter).declare(model.config)
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, place(state, decl, mesh, rules))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch split over (data, fsdp); other dimensions replicated."""
     return NamedSharding(mesh, P(RULES["batch"].mesh_axes, *([None] * (ndim - 1))))
