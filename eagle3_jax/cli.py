@@ -245,17 +245,17 @@ def _cmd_bench(args) -> int:
     temperatures = args.temperature or ([0.0, 0.7] if is_builtin else [0.0])
     # --cost steps batches of 1, 8 and 32 rows (those the mesh divides on it), the bench its batches
     mesh = _mesh(args, 8 if args.cost else min(args.batch_size, len(prompts)))
-    if mesh is not None and _auto(args) and not args.cost:  # placed once for every batch, not in each call
+    if mesh is not None and not args.cost:  # placed once for every batch, not in each call
         from eagle3_jax import sharding
 
-        target = sharding.place_model(target, mesh)
-        drafter = None if drafter is None else sharding.place_model(drafter, mesh)
+        target = sharding.place_model(target, mesh, _rules(args))
+        drafter = None if drafter is None else sharding.place_model(drafter, mesh, _rules(args))
     doc = {"target": args.target or str(builtin.TARGET_DIR), "drafter": args.drafter or str(builtin.DRAFTER_DIR),
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "mesh": None if mesh is None else dict(mesh.shape)}
     if mesh is not None and _auto(args):
-        print(f"batches split over {mesh.size} CPU devices, one per core (a data={mesh.size} mesh: --mesh auto, the "
-              "default; --mesh none for one device)", flush=True)
+        print(f"batches split over {mesh.size} CPU devices (a data={mesh.size} mesh: --mesh auto, the default; "
+              "--mesh none for one device)", flush=True)
     if args.cost:
         doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
                                    args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), mesh,
@@ -569,7 +569,7 @@ def _mesh(args, rows: int = 1):
     return _core_mesh(args, rows) if _auto(args) else None
 
 
-AUTO_MESH, NO_MESH = "auto", "none"  # --mesh's two words besides mesh axes
+AUTO_MESH, NO_MESH = "auto", "none"  # --mesh's two words besides mesh axes (see _mesh)
 
 
 def _mesh_arg(text: str):
@@ -585,11 +585,35 @@ def _auto(args) -> bool:
 
 
 def _cores() -> int:
-    """The CPU cores this process may run on."""
+    """The CPU cores this process may run on: those it may be scheduled on, at most its
+    control group's CPU quota (a container's ``--cpus``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup("cpu.max")  # "max 100000" or "200000 100000"
+    if quota and quota.split()[0].isdigit() and len(quota.split()) == 2 and int(quota.split()[1]) > 0:
+        cores = min(cores, max(1, math.ceil(int(quota.split()[0]) / int(quota.split()[1]))))
+    return cores
+
+
+def _memory() -> int | None:
+    """Bytes of memory this process may use: the machine's, at most its control group's
+    limit (``None``: unknown)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    limit = _cgroup("memory.max")
+    return min(memory, int(limit)) if limit and limit.isdigit() else memory
+
+
+def _cgroup(name: str) -> str | None:
+    """A file of this process's (version 2) control group, stripped, or ``None``."""
+    try:
+        return Path("/sys/fs/cgroup", name).read_text().strip()
+    except OSError:
+        return None
 
 
 def _use_cores(args) -> None:
@@ -615,7 +639,8 @@ def _core_mesh(args, rows: int):
     ``data`` mesh of the most of them that divides ``rows``, so that each device decodes its
     share of the rows (XLA:CPU runs each dot of a small model's step on one core); ``None``
     (one device) where that is one device (one row), on an accelerator, or where the weights'
-    extra copies (one more per device) would take more than a quarter of the machine's memory."""
+    copies on the mesh (one per device, beside the loaded ones) would take more than a quarter
+    of the memory (:func:`_memory`; unknown: one device)."""
     import jax
 
     devices = jax.devices()
@@ -630,11 +655,8 @@ def _core_mesh(args, rows: int):
                   if f.suffix in (".safetensors", ".bin"))
     if (args.dtype or ("float32" if args.target is None else None)) == "float32":
         weights *= 2  # a 16-bit checkpoint read as float32 (an overestimate for a float32 one)
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # unknown: one device
-        return None
-    if (n - 1) * weights > memory // 4:
+    memory = _memory()
+    if memory is None or n * weights > memory // 4:
         return None
     return make_mesh(data=n, devices=devices[:n])
 
@@ -669,12 +691,13 @@ def _common(p, mesh: bool = True):
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
     if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
-        p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="AXES",
+        p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="{auto,none,AXES}",
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
                             "heads, the batch over data (on CPU, simulate devices with "
                             "XLA_FLAGS=--xla_force_host_platform_device_count=8); none or auto: one device, except "
-                            "that bench's default, auto, splits a batch over a CPU's cores (one JAX device each, "
-                            "data=N)")
+                            "that bench's default, auto, splits a batch over a CPU's cores: the eagle3-jax program "
+                            "gives JAX one CPU device per core and bench decodes on data=N, N the most devices that "
+                            "divide the batch, where the weights' copies fit in a quarter of the memory")
         p.add_argument("--rules", type=_sharding_arg("parse_rules"), action=_MergeRules, default=None, metavar="AXIS=MESH_AXES",
                        help="with --mesh: where logical axes go instead of the default rules, e.g. vocab=none "
                             "(replicate a vocabulary the tensor axis does not divide) or mlp=fsdp+tensor")
@@ -832,11 +855,12 @@ def _one_line(e: BaseException) -> str:
     return msg
 
 
-def main(argv=None, cores: bool = False) -> int:
+def main(argv=None, cores: bool | None = None) -> int:
     """Runs the command line; returns the exit status (2 for any input error, one line on
     stderr; 130 when interrupted).  ``--debug`` re-raises errors with their traceback.
-    ``cores``: one JAX CPU device per core for ``bench``'s ``--mesh auto`` (:func:`_use_cores`),
-    as the ``eagle3-jax`` program does; a caller that runs JAX itself keeps its devices."""
+    ``cores``: one JAX CPU device per core for ``bench``'s ``--mesh auto`` (:func:`_use_cores`);
+    by default when ``argv`` is ``None`` (the program's own command line), so that a caller
+    passing its own arguments keeps its JAX devices."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -849,7 +873,7 @@ def main(argv=None, cores: bool = False) -> int:
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
-    if cores:
+    if argv is None if cores is None else cores:
         _use_cores(args)
     try:
         return args.func(args)

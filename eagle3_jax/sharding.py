@@ -234,12 +234,15 @@ def place(state, decl, mesh: Mesh, rules: Mapping | None = None):
 
 def place_model(model, mesh: Mesh, rules: Mapping | None = None):
     """A target or drafter (an ``nnx`` module) with its state :func:`place`-d on ``mesh`` by its
-    declaration (the same module, its arrays on the mesh)."""
+    declaration: a new module of the same graph (the given one is left where it is)."""
     from flax import nnx
 
     from eagle3_jax.models import drafter, target
 
-    decl = (target if isinstance(model, target.Target) else drafter).declare(model.config)
+    kind = target if isinstance(model, target.Target) else drafter if isinstance(model, drafter.Drafter) else None
+    if kind is None:
+        raise TypeError(f"place_model: expected a Target or a Drafter, got {type(model).__name__}")
+    decl = kind.declare(model.config)
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, place(state, decl, mesh, rules))
 

@@ -48,15 +48,21 @@ def test_auto_splits_a_batch_over_the_most_devices_that_divide_it(three_cpus):
     assert cli._mesh(_args(cores=False), 32) is None  # generate: one device
 
 
-def test_auto_keeps_one_device_where_the_copies_would_not_fit_or_off_the_cpu(three_cpus, monkeypatch):
-    with monkeypatch.context() as m:  # 4 MB of memory: the built-in pair read as float32 is about 15 MB
-        m.setattr(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 1000)
-        assert cli._mesh(_args(), 2) is None
-    with monkeypatch.context() as m:  # 64 MB: two copies fit in a quarter, three do not
-        m.setattr(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 16000)
-        assert cli._mesh(_args(), 2)["data"] == 2 and cli._mesh(_args(), 3) is None
+def test_auto_keeps_one_device_where_the_copies_would_not_fit_or_off_the_cpu(three_cpus, monkeypatch, tmp_path):
+    for name, size in (("target", 12 << 20), ("drafter", 4 << 20)):  # 16 MiB of 16-bit weights
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "model.safetensors", "wb") as f:
+            f.truncate(size)
+    pair = dict(target=tmp_path / "target", drafter=tmp_path / "drafter", dtype="bfloat16")
+    monkeypatch.setattr(cli, "_memory", lambda: 128 << 20)  # a quarter: 32 MiB, two copies of the weights
+    assert cli._mesh(_args(**pair), 2)["data"] == 2
+    assert cli._mesh(_args(**pair), 3) is None  # three copies would not fit
+    assert cli._mesh(_args(**{**pair, "dtype": "float32"}), 2) is None  # read as float32: 32 MiB a copy
+    monkeypatch.setattr(cli, "_memory", lambda: None)  # unknown: one device
+    assert cli._mesh(_args(**pair), 2) is None
+    monkeypatch.setattr(cli, "_memory", lambda: 1 << 40)
     monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform="gpu", id=i) for i in range(3)])
-    assert cli._mesh(_args(), 2) is None
+    assert cli._mesh(_args(**pair), 2) is None
 
 
 def test_rules_need_mesh_axes():
@@ -68,9 +74,9 @@ def test_rules_need_mesh_axes():
 def _bench(tmp_path, *flags, env=None):
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "JAX_NUM_CPU_DEVICES"}
     js = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, "-m", "eagle3_jax.cli", "bench", "--num-prompts", "5", "--tree", "chain2",
-                          "--temperature", "0", "--max-new-tokens", "8", "--json", str(js), "--figure",
-                          str(tmp_path / "b.png"), *flags], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "eagle3_jax.cli", "bench", "--tree", "chain2", "--temperature", "0",
+                          "--max-new-tokens", "8", "--json", str(js), "--figure", str(tmp_path / "b.png"), *flags],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     doc = json.loads(js.read_text())
     assert doc["reports"][0]["eagle3"][0]["identical_to_vanilla"]
@@ -79,13 +85,14 @@ def _bench(tmp_path, *flags, env=None):
 
 def test_the_program_splits_a_batch_over_the_cores(tmp_path):
     """The program gives JAX one CPU device per core; a batch of 2 rows is split over two."""
-    doc, out = _bench(tmp_path, "--batch-size", "2")
+    doc, out = _bench(tmp_path, "--batch-size", "2", "--num-prompts", "2")
     split = cli._cores() >= 2
     assert doc["mesh"] == ({"data": 2, "fsdp": 1, "tensor": 1} if split else None)
     assert ("batches split over 2 CPU devices" in out) == split
 
 
 def test_the_program_keeps_a_device_count_the_environment_names(tmp_path):
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=5"
-    doc, _ = _bench(tmp_path, "--batch-size", "5", env={"XLA_FLAGS": flags})
-    assert doc["mesh"] == {"data": 5, "fsdp": 1, "tensor": 1}  # five devices whatever the cores
+    n = cli._cores() + 1  # more devices than cores: only the environment's count gives them
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    doc, _ = _bench(tmp_path, "--batch-size", str(n), "--num-prompts", str(n), env={"XLA_FLAGS": flags})
+    assert doc["mesh"] == {"data": n, "fsdp": 1, "tensor": 1}
