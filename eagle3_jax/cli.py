@@ -591,9 +591,9 @@ def _cores() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    quota = _cgroup("cpu.max")  # "max 100000" or "200000 100000"
-    if quota and quota.split()[0].isdigit() and len(quota.split()) == 2 and int(quota.split()[1]) > 0:
-        cores = min(cores, max(1, math.ceil(int(quota.split()[0]) / int(quota.split()[1]))))
+    quota = (_cgroup("cpu.max") or "").split()  # "max 100000" or "200000 100000"
+    if len(quota) == 2 and quota[0].isdigit() and quota[1].isdigit() and int(quota[1]) > 0:
+        cores = min(cores, max(1, math.ceil(int(quota[0]) / int(quota[1]))))
     return cores
 
 

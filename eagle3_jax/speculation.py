@@ -180,10 +180,7 @@ def learned(ctl: Controller) -> dict:
     the rounds since the last switch and since the longest chain ran, the wait before its
     next try), so that a drafter or a depth that never pays is tried every ``probe_max``
     rounds over all the calls, not at each call's start."""
-    return {"rounds": ctl.rounds, "hits": ctl.hits, "trials": ctl.trials, "drafts": ctl.drafts, "idle": ctl.idle,
-            "mean": ctl.mean,
-            "tried": ctl.tried, "wait": ctl.wait, "tier": ctl.tier, "since": ctl.since,
-            "probed": ctl.probed}
+    return {f.name: getattr(ctl, f.name) for f in dataclasses.fields(ctl) if f.name != "round_ms"}
 
 
 def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
@@ -191,9 +188,7 @@ def init(spec: Speculation, round_ms, prior: dict | None = None) -> Controller:
     same models and tiers: it goes on where that call stopped, with no second warm-up) or
     from nothing; picks its first tier."""
     prior = fresh(spec) if prior is None else prior
-    ctl = Controller(prior["tier"], prior["since"], prior["rounds"], prior["hits"],
-                     prior["trials"], prior["drafts"], prior["idle"], prior["mean"], prior["tried"], prior["wait"],
-                     prior["probed"], jnp.asarray(round_ms, jnp.float32))
+    ctl = Controller(**prior, round_ms=jnp.asarray(round_ms, jnp.float32))
     return ctl if spec.policy == "fixed" else _choose(ctl, spec)
 
 
