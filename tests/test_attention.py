@@ -308,6 +308,29 @@ def test_step_ops_profiles_the_decode_step_as_it_runs():
     assert {o["runs"] for o in ops} >= {1, cfg.num_layers}
 
 
+def test_cost_report_divides_both_step_ratios_by_one_timing(monkeypatch, capsys):
+    """`bench --cost` times every decode-step shape in one `cost.step_ms` run (the shapes
+    taking turns), so the slots ratio and the batch ratio share the batch-1, 256-slot
+    figure instead of dividing by two timings of the same step taken at different times."""
+    from eagle3_jax import cli
+
+    calls = []
+
+    def step_ms(target, shapes, **kw):
+        calls.append(list(shapes))
+        return {(b, s): 1.0 + b + s / 1024 for b, s in shapes}
+
+    monkeypatch.setattr(cost, "step_ms", step_ms)
+    monkeypatch.setattr(cost, "step_ops", lambda target, batch: [])
+    monkeypatch.setattr(cost, "loop_report", lambda *a, **kw: [])
+    report = cli._cost_report(None, None, [1], None, (64,), (1,))
+    assert len(calls) == 1 and len(set(calls[0])) == len(calls[0])
+    assert report["step_ms_by_slots"][256] == report["step_ms_by_batch"][1] == 2.25
+    assert report["step_ms_by_batch"][32] == 33.25 and report["step_ms_by_slots"][16384] == 18.0
+    out = capsys.readouterr().out
+    assert f"({33.25 / 2.25:.2f}x from 1 to 32)" in out and f"({18.0 / 2.25:.2f}x from 256 to 16384)" in out
+
+
 def test_step_ms_puts_on_a_mesh_only_the_batches_it_splits():
     """`bench --cost --mesh`: `cost.step_ms` steps a batch on the mesh when its batch axes
     split it evenly over more than one device, and any other batch on one device (on a real
