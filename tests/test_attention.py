@@ -310,25 +310,30 @@ def test_step_ops_profiles_the_decode_step_as_it_runs():
 
 def test_cost_report_divides_both_step_ratios_by_one_timing(monkeypatch, capsys):
     """`bench --cost` times every decode-step shape in one `cost.step_ms` run (the shapes
-    taking turns), so the slots ratio and the batch ratio share the batch-1, 256-slot
-    figure instead of dividing by two timings of the same step taken at different times."""
-    from eagle3_jax import cli
+    taking turns, on the mesh and rules it was given), so the slots ratio and the batch ratio
+    share the batch-1, 256-slot figure instead of dividing by two timings of the same step
+    taken at different times (each run here times every shape differently)."""
+    from eagle3_jax import cli, sharding
 
-    calls = []
+    calls, mesh = [], sharding.abstract_mesh(data=2)
+    rules = {**sharding.RULES, "batch": sharding.Rule(("data",))}
 
     def step_ms(target, shapes, **kw):
-        calls.append(list(shapes))
-        return {(b, s): 1.0 + b + s / 1024 for b, s in shapes}
+        calls.append((list(shapes), kw))
+        return {(b, s): len(calls) * 10.0 + b + s / 1024 for b, s in shapes}
 
     monkeypatch.setattr(cost, "step_ms", step_ms)
     monkeypatch.setattr(cost, "step_ops", lambda target, batch: [])
     monkeypatch.setattr(cost, "loop_report", lambda *a, **kw: [])
-    report = cli._cost_report(None, None, [1], None, (64,), (1,))
-    assert len(calls) == 1 and len(set(calls[0])) == len(calls[0])
-    assert report["step_ms_by_slots"][256] == report["step_ms_by_batch"][1] == 2.25
-    assert report["step_ms_by_batch"][32] == 33.25 and report["step_ms_by_slots"][16384] == 18.0
+    report = cli._cost_report(None, None, [1], None, (64,), (1,), mesh=mesh, rules=rules)
+    [(shapes, kw)] = calls
+    assert len(set(shapes)) == len(shapes) and kw == {"mesh": mesh, "rules": rules}
+    assert {(1, s) for s in (256, 1024, 4096, 16384)} | {(8, 256), (32, 256)} == set(shapes)
+    assert report["step_ms_by_slots"][256] == report["step_ms_by_batch"][1] == 11.25
+    assert report["step_ms_by_batch"][32] == 42.25 and report["step_ms_by_slots"][16384] == 27.0
+    assert report["step_mesh"] == {"axes": {"data": 2, "fsdp": 1, "tensor": 1}, "batches": [8, 32]}
     out = capsys.readouterr().out
-    assert f"({33.25 / 2.25:.2f}x from 1 to 32)" in out and f"({18.0 / 2.25:.2f}x from 256 to 16384)" in out
+    assert f"({42.25 / 11.25:.2f}x from 1 to 32)" in out and f"({27.0 / 11.25:.2f}x from 256 to 16384)" in out
 
 
 def test_step_ms_puts_on_a_mesh_only_the_batches_it_splits():
