@@ -350,10 +350,11 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None, ru
     print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots"
           + (f"; * on the mesh {dict(mesh.shape)}" if mesh is not None else "") + "):")
     # one timing run, all shapes taking turns: the batch-1, 256-slot step divides both ratios
-    slots, batches = (256, 1024, 4096, 16384), (1, 8, 32)
-    ms = cost.step_ms(target, [(1, s) for s in slots] + [(b, 256) for b in batches[1:]], mesh=mesh, rules=rules)
-    by_slots = {s: ms[1, s] for s in slots}
-    by_batch = {b: ms[b, 256] for b in batches}
+    step_slots, step_batches = (256, 1024, 4096, 16384), (1, 8, 32)
+    step = cost.step_ms(target, [(1, s) for s in step_slots] + [(b, 256) for b in step_batches[1:]], mesh=mesh,
+                        rules=rules)
+    by_slots = {s: step[1, s] for s in step_slots}
+    by_batch = {b: step[b, 256] for b in step_batches}
     print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
           + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
     print("  batch  " + "  ".join(f"{b}{'*' if cost.on_mesh(mesh, b, rules) else ''}: {ms:.2f}"

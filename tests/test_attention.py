@@ -324,8 +324,10 @@ def test_cost_report_divides_both_step_ratios_by_one_timing(monkeypatch, capsys)
 
     monkeypatch.setattr(cost, "step_ms", step_ms)
     monkeypatch.setattr(cost, "step_ops", lambda target, batch: [])
-    monkeypatch.setattr(cost, "loop_report", lambda *a, **kw: [])
-    report = cli._cost_report(None, None, [1], None, (64,), (1,), mesh=mesh, rules=rules)
+    loops = []
+    monkeypatch.setattr(cost, "loop_report", lambda *a, batch, **kw: loops.append(batch) or [])
+    report = cli._cost_report(None, None, [1], None, (64,), (1, 4), mesh=mesh, rules=rules)
+    assert loops == [1, 4]  # the decode loop at the batches asked for, not the step's
     [(shapes, kw)] = calls
     assert len(set(shapes)) == len(shapes) and kw == {"mesh": mesh, "rules": rules}
     assert {(1, s) for s in (256, 1024, 4096, 16384)} | {(8, 256), (32, 256)} == set(shapes)
