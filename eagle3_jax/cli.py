@@ -876,7 +876,7 @@ def main(argv=None, cores: bool | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
-    if argv is None if cores is None else cores:
+    if (argv is None) if cores is None else cores:
         _use_cores(args)
     try:
         return args.func(args)
