@@ -525,16 +525,22 @@ def _compiled(tgraph, dgraph, prompt_shape, kw: tuple, tstate, dstate):
     if cache_key in _COMPILED:
         _COMPILED.move_to_end(cache_key)
     else:
-        spec = jax.ShapeDtypeStruct
-        batch = spec(prompt_shape[:1], jnp.int32)
-        tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
-        _COMPILED[cache_key] = _run_jit().lower(
-            tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
-            spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32), spec((), jnp.bool_),
-            jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
-            **dict(kw)).compile()
+        _COMPILED[cache_key] = _lower(tgraph, tstate, dgraph, dstate, prompt_shape, kw).compile()
         _trim(COMPILE_CACHE_SIZE)
     return _COMPILED[cache_key]
+
+
+def _lower(tgraph, tstate, dgraph, dstate, prompt_shape, kw: tuple) -> jax.stages.Lowered:
+    """The loop lowered for ``prompt_shape`` prompts (``kw``: ``_prepare``'s static arguments);
+    the states may be concrete or ``ShapeDtypeStruct`` s with shardings."""
+    spec = jax.ShapeDtypeStruct
+    batch = spec(prompt_shape[:1], jnp.int32)
+    tiers = dict(kw)["spec"].tiers if dict(kw)["spec"] is not None else (None,)
+    return _run_jit().lower(
+        tgraph, tstate, dgraph, dstate, spec(prompt_shape, jnp.int32), batch, jax.random.key(0), batch, batch,
+        spec((len(tiers),), jnp.float32), spec((), jnp.int32), spec((), jnp.int32), spec((), jnp.bool_),
+        jax.tree.map(lambda x: spec(x.shape, x.dtype), policy.fresh(dict(kw)["spec"] or _NO_SPEC)),
+        **dict(kw))
 
 
 def _trim(size: int):
@@ -852,6 +858,86 @@ def compile_generate(target, drafter, prompts, **kwargs):
     inspecting the program (``compiled.as_text()``, ``eagle3_jax.cost``)."""
     compiled, args, _ = _compile(target, drafter, prompts, **kwargs)
     return compiled, args
+
+
+def lower_generate(target, drafter, *, batch: int, prompt_len: int, max_new_tokens: int, mesh, rules=None,
+                   **kwargs) -> jax.stages.Lowered:
+    """The decode loop ``generate`` runs for ``batch`` prompts of ``prompt_len`` tokens on
+    ``mesh``, lowered and not compiled, for ahead-of-time compilation (``eagle3_jax.topology``):
+    ``target`` / ``drafter`` (``None``: vanilla decoding) may be abstract
+    (``nnx.eval_shape``: no weights anywhere), and ``mesh`` any ``jax.sharding.Mesh``, such as
+    one over a TPU topology's devices on a host without TPUs; the weights are placed by their
+    declarations, the caches and the batch as ``generate`` places them.  ``kwargs``: the other
+    arguments of :func:`generate` (``speculation``, ``tree``, ``temperature``, ...)."""
+    _int_arg("batch", batch, 1)
+    _int_arg("prompt_len", prompt_len, 1)
+    prompts = [[0] * prompt_len] * batch  # the token ids only shape the program
+    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
+                   **{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "tree": TreeConfig(), "seed": 0,
+                      "stop_token_ids": None, "tokenizer": None, **kwargs})
+    rules = None if req.rules is None else dict(req.rules)
+    tgraph, tstate = nnx.split(target)
+    tstate = sharding.place(tstate, declare_target(target.config), req.mesh, rules)
+    dgraph = dstate = None
+    if drafter is not None:
+        dgraph, dstate = nnx.split(drafter)
+        dstate = sharding.place(dstate, declare_drafter(drafter.config), req.mesh, rules)
+    return _lower(tgraph, tstate, dgraph, dstate, req.prompt_BxT.shape, req.kw)
+
+
+def lower_parts(target, drafter, *, batch: int, prompt_len: int, max_new_tokens: int, mesh, rules=None,
+                **kwargs) -> tuple[jax.stages.Lowered, dict]:
+    """The loop's parts as programs of their own, for ahead-of-time compilation (see
+    :func:`lower_generate`, which takes the same arguments): ``(prefill, lower_round)``, the
+    prefill of ``generate``'s loop lowered (prompts → the loop's state after the first token),
+    and ``lower_round(tier, state)``, one round of speculation tier ``tier`` (an index into the
+    tiers; ``None``: no drafting, a plain target step) lowered on ``state``, the compiled
+    prefill's ``out_info``.  A loop's cost analysis counts its body once, whatever its trip
+    count; these parts hold no loop over rounds, so their costs are a round's."""
+    _int_arg("batch", batch, 1)
+    _int_arg("prompt_len", prompt_len, 1)
+    prompts = [[0] * prompt_len] * batch
+    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
+                   **{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "tree": TreeConfig(), "seed": 0,
+                      "stop_token_ids": None, "tokenizer": None, **kwargs})
+    rules = None if req.rules is None else dict(req.rules)
+    tgraph, tstate = nnx.split(target)
+    tstate = sharding.place(tstate, declare_target(target.config), req.mesh, rules)
+    dgraph = dstate = None
+    if drafter is not None:
+        dgraph, dstate = nnx.split(drafter)
+        dstate = sharding.place(dstate, declare_drafter(drafter.config), req.mesh, rules)
+    kw = dict(req.kw)
+    spec = kw["spec"]
+    loop = _Loop(kw["max_new"], kw["sampling"], spec, kw["thinking"], kw["cache_shardings"])
+
+    def prefill(tstate, dstate, prompt_BxT, lengths_B, budget_B, phase_B, round_ms_T, learned):
+        target_, drafter_ = nnx.merge(tgraph, tstate), None if dgraph is None else nnx.merge(dgraph, dstate)
+        B = prompt_BxT.shape[0]
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(B))
+        st = _prefill(target_, drafter_, prompt_BxT, lengths_B, keys, budget_B, phase_B, _stop_rows(kw["stop_ids"], B),
+                      jnp.full((B,), kw["max_new"], jnp.int32), None, cache_len=kw["max_len"], loop=loop)
+        return st if drafter_ is None else dataclasses.replace(st, ctl=policy.init(spec, round_ms_T, learned))
+
+    def one_round(tier, tstate, dstate, st):
+        target_, drafter_ = nnx.merge(tgraph, tstate), None if dgraph is None else nnx.merge(dgraph, dstate)
+        if tier is None:
+            return _vanilla_round(target_, st, loop)
+        return _spec_round(target_, drafter_, st, loop, tier)
+
+    sds = jax.ShapeDtypeStruct
+    B = req.prompt_BxT.shape[0]
+    tiers = spec.tiers if spec is not None else (None,)
+    learned = jax.tree.map(lambda x: sds(x.shape, x.dtype), policy.fresh(spec or _NO_SPEC))
+    prefill_lowered = jax.jit(prefill).lower(
+        tstate, dstate, sds(req.prompt_BxT.shape, jnp.int32), sds((B,), jnp.int32), sds((B,), jnp.int32),
+        sds((B,), jnp.int32), sds((len(tiers),), jnp.float32), learned)
+
+    def lower_round(tier: int | None, state) -> jax.stages.Lowered:
+        state = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=x.sharding), state)
+        return jax.jit(functools.partial(one_round, tier), donate_argnums=(2,)).lower(tstate, dstate, state)
+
+    return prefill_lowered, lower_round
 
 
 def _compile(target, drafter, prompts, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, tree=TreeConfig(),
@@ -1278,6 +1364,35 @@ def _slot_programs(tgraph, dgraph, tdef, ddef, loop: _Loop):
         while len(_SLOT_PROGRAMS) > COMPILE_CACHE_SIZE:
             _SLOT_PROGRAMS.popitem(last=False)
     return _SLOT_PROGRAMS[key]
+
+
+def lower_slots(target, drafter, *, num_slots: int, max_len: int, mesh, speculation=None, rules=None,
+                max_stop_ids: int = 8) -> jax.stages.Lowered:
+    """The server's dispatch (:meth:`Slots.run`: rounds of every slot) lowered for ``num_slots``
+    slots of ``max_len`` positions, for ahead-of-time compilation, as :func:`lower_generate`
+    (abstract models, any mesh: the weights placed by their declarations)."""
+    spec = _speculation_arg(target, drafter, TreeConfig() if speculation is None else speculation)
+    spec = spec if drafter is not None else None
+    loop = _Loop(_int_arg("max_len", max_len, 2), None, spec, None)
+    mesh = sharding.auto_mesh(mesh)
+    tgraph, tstate = nnx.split(target)
+    tstate = sharding.place(tstate, declare_target(target.config), mesh, rules)
+    dgraph = dstate = None
+    if drafter is not None:
+        dgraph, dstate = nnx.split(drafter)
+        dstate = sharding.place(dstate, declare_drafter(drafter.config), mesh, rules)
+    n_tiers = 1 if spec is None else len(spec.tiers)
+    learned = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.fresh(spec or _NO_SPEC))
+    stops = _int_arg("max_stop_ids", max_stop_ids, 0) + len(target.config.eos_token_ids)
+    state = jax.eval_shape(functools.partial(_slots_empty, tgraph, dgraph=dgraph, slots=_int_arg("num_slots", num_slots, 1),
+                                             max_len=max_len, stops=stops, loop=loop),
+                           tstate, dstate=dstate, round_ms_T=jax.ShapeDtypeStruct((n_tiers,), jnp.float32),
+                           learned=learned)
+    _, rounds = _slot_programs(tgraph, dgraph, jax.tree.structure(tstate),
+                               None if dstate is None else jax.tree.structure(dstate), loop)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return rounds.lower(jax.tree.leaves(tstate), [] if dstate is None else jax.tree.leaves(dstate), state, scalar,
+                        scalar, num_slots)
 
 
 _slot_release_jit = jax.jit(_slot_release, donate_argnums=(0,))

@@ -224,3 +224,240 @@ def format_plan(p: Plan, config_file) -> str:
             lines.append(f"{phase}: {verdict} in {show_bytes(p.device_memory)} per device "
                          f"({100 * total / p.device_memory:.0f}%)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- compiled plans
+DEFAULT_TAU = 3.0  # committed tokens per round assumed where no acceptance is recorded (--tau)
+
+
+def _tiers(tcfg):
+    """The decode programs ``plan --topology`` compiles: (name, speculation or None)."""
+    from eagle3_jax.speculation import Speculation
+    from eagle3_jax.tree import TreeConfig
+
+    chain, tree = TreeConfig.chain(4), TreeConfig()
+    return [("vanilla", None), ("chain 4", Speculation.fixed(chain)), ("tree 60,7,10", Speculation.fixed(tree)),
+            ("adaptive (none, chain 4, tree 60,7,10)", Speculation((None, chain, tree)))]
+
+
+def recorded_tau(cfg: dict) -> float | None:
+    """The drafter's recorded acceptance: ``1 + sim_accept_len`` of the run's ``best.json``
+    (tokens committed per round of a chain as long as its TTT), where the run is here."""
+    import json
+
+    best = Path(cfg.get("work_dir") or ".") / "best.json"
+    try:
+        return 1.0 + float(json.loads(best.read_text())["sim_accept_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _topology_mesh(topology_name: str, devices: list, mesh: dict):
+    """The config's (or ``--mesh``'s) axes over the topology's devices; ``-1`` takes the rest."""
+    from eagle3_jax import sharding
+
+    axes = dict.fromkeys(sharding.MESH_AXES, 1)
+    axes.update(mesh)
+    fixed = math.prod(v for v in axes.values() if v != -1)
+    free = [a for a, v in axes.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh {axes}: at most one axis may be -1 (the rest of the devices)")
+    if free:
+        if len(devices) % fixed:
+            raise ValueError(f"mesh {axes}: {len(devices)} devices of {topology_name} do not divide by {fixed}")
+        axes[free[0]] = len(devices) // fixed
+    if math.prod(axes.values()) != len(devices):
+        raise ValueError(f"mesh {axes} has {math.prod(axes.values())} devices; {topology_name} has {len(devices)}: "
+                         f"give --mesh with a product of {len(devices)}")
+    return sharding.make_mesh(**axes, devices=devices), axes
+
+
+def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, tau: float | None = None,
+                  prompt_len: int | None = None, attention_impl: str = "xla", target_config=None, overrides=(),
+                  programs: tuple[str, ...] = ("decode", "slots", "fit"), progress=None) -> dict:
+    """Compiles ``config_file``'s programs for TPU topology ``topology_name`` (see
+    :mod:`eagle3_jax.topology`) on this host and reports, per program and device, compiled
+    memory against the chip's HBM and its flops, bytes and roofline time, and the predicted
+    milliseconds per vanilla step and per round of each tier with the speedup at ``tau``.
+
+    Programs: ``decode`` — ``generate``'s loop (vanilla, chain 4, the default tree, the
+    adaptive tiers) at ``regenerate.batch_size`` prompts of ``prompt_len`` tokens (default
+    ``seq_len // 2``) and ``regenerate.max_new_tokens``, and its prefill; ``slots`` — the
+    server's dispatch over that many slots; ``fit`` — the training step at ``fit.batch_size``
+    x ``seq_len``.  A loop's cost analysis counts its body once, so the step and round costs
+    come from the loop's parts (:func:`eagle3_jax.decode.lower_parts`) compiled with 3 and 4
+    unrolled layers, extrapolated to the target's (:func:`eagle3_jax.topology.per_layer`),
+    and the fit step's from one micro-batch so compiled, times ``fit.micro_batches``.
+    ``progress(name)`` is called before each compile.  Returns a JSON-ready dict."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eagle3_jax import decode, sharding, topology
+    from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+    from eagle3_jax.train import pipeline
+    from eagle3_jax.train.trainer import FitConfig, fit_step_fn, optimizer
+
+    chip = topology.chip(topology_name)
+    cfg = pipeline.load_config(config_file, overrides)
+    devices = topology.devices(topology_name)
+    tmesh, axes = _topology_mesh(topology_name, devices, mesh if mesh is not None else cfg["mesh"])
+    tcfg, source = target_config_for(cfg, Path(config_file), target_config)
+    dcfg = drafter_config_for(cfg, tcfg)
+    dtype = jnp.dtype(cfg["dtype"])
+    fit = FitConfig(**cfg["fit"])
+    batch, max_new = cfg["regenerate"]["batch_size"], cfg["regenerate"]["max_new_tokens"]
+    seq_len = cfg["seq_len"]
+    prompt_len = max(1, seq_len // 2) if prompt_len is None else prompt_len
+    tau_source = "--tau"
+    if tau is None:
+        tau, tau_source = recorded_tau(cfg), "the run's best.json"
+    if tau is None:
+        tau, tau_source = DEFAULT_TAU, "assumed (no recorded acceptance here; give --tau)"
+    note = progress or (lambda name: None)
+    compiled: list = []
+
+    def models(tc, *, unroll=False):
+        target = nnx.eval_shape(lambda: target_mod.Target(tc, dtype=dtype, attention_impl=attention_impl,
+                                                          unroll_layers=unroll))
+        drafter = nnx.eval_shape(lambda: drafter_mod.Drafter(
+            dcfg, jnp.zeros((tc.vocab_size, tc.hidden_size), dtype), dtype=dtype))
+        return target, drafter
+
+    def build(name, lower):
+        note(name)
+        lowered, seconds = topology.timed_lower(lower)
+        return topology.compile_program(name, lowered, seconds_before=seconds)
+
+    gen = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new, mesh=tmesh)
+    target, drafter = models(tcfg)
+    costs = {}
+    if "decode" in programs:
+        for name, spec in _tiers(tcfg):
+            compiled.append(build(f"decode loop: {name}", lambda: decode.lower_generate(
+                target, drafter if spec else None, speculation=spec, **gen)))
+        adaptive = _tiers(tcfg)[-1][1]
+        prefill, _ = decode.lower_parts(target, drafter, speculation=adaptive, **gen)
+        note("prefill")
+        compiled.append(topology.compile_program(f"prefill ({batch} x {prompt_len})", prefill))
+        # the step and round costs: the parts with 3 and 4 layers unrolled
+        parts = {}
+        for layers_ in (3, 4):
+            small = dataclasses.replace(tcfg, num_layers=layers_, capture_layers=(0, 1, 2))
+            t_small, d_small = models(small, unroll=True)
+            pre, lower_round = decode.lower_parts(t_small, d_small, speculation=adaptive, **gen)
+            note(f"step and round costs ({layers_} layers)")
+            pre_cost, pre_c = topology.compile_with_report("prefill", pre)
+            parts[layers_] = {"prefill": pre_cost}
+            for label, tier in (("vanilla step", None), ("chain 4 round", 1), ("tree 60,7,10 round", 2)):
+                parts[layers_][label] = topology.compile_program(label, lower_round(tier, pre_c.out_info))
+        for label in parts[3]:
+            costs[label] = topology.per_layer(parts[3][label], parts[4][label], tcfg.num_layers, label)
+    if "slots" in programs:
+        adaptive = _tiers(tcfg)[-1][1]
+        compiled.append(build(f"server dispatch ({batch} slots)", lambda: decode.lower_slots(
+            target, drafter, num_slots=batch, max_len=prompt_len + max_new + adaptive.scratch, mesh=tmesh,
+            speculation=adaptive)))
+    if "fit" in programs:
+        def fit_lowered(tc, fit_cfg, rows, *, unroll=False):
+            t, d = models(tc, unroll=unroll)
+            tgraph, tstate = nnx.split(t)
+            tstate = sharding.place(tstate, target_mod.declare(tc), tmesh)
+            dgraph, params, frozen = nnx.split(d, nnx.Param, ...)
+            dsh = drafter_mod.declare(dcfg).shardings(tmesh)
+            replicated = NamedSharding(tmesh, P())
+
+            def put(path, x):
+                name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dsh.get(name, replicated))
+
+            params = jax.tree_util.tree_map_with_path(put, params)
+            frozen = jax.tree_util.tree_map_with_path(put, frozen)
+            opt = optimizer(fit_cfg)
+            by_shape = {}
+            for p in jax.tree.leaves(params):
+                by_shape.setdefault((p.shape, p.dtype), p.sharding)
+            opt_state = jax.tree.map(  # moments follow their params; counts replicated
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get((x.shape, x.dtype), replicated)
+                                               if x.ndim else replicated), jax.eval_shape(opt.init, params))
+            batch_sh = sharding.batch_sharding(tmesh, 2)
+            ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sh)
+            mask = jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_, sharding=batch_sh)
+            step = fit_step_fn(tgraph, dgraph, fit_cfg, opt, jax.tree.map(lambda x: x.sharding, params))
+            return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, frozen, tstate, ids, mask)
+
+        compiled.append(build(f"fit step ({fit.batch_size} x {seq_len}, TTT {fit.ttt_length}, "
+                              f"{fit.micro_batches} micro-batches)", lambda: fit_lowered(tcfg, fit, fit.batch_size)))
+        micro = fit.batch_size // fit.micro_batches
+        one = dataclasses.replace(fit, batch_size=micro, micro_batches=1)
+        small = [build(f"fit step costs ({n} layers)", lambda n=n: fit_lowered(
+            dataclasses.replace(tcfg, num_layers=n, capture_layers=(0, 1, 2)), one, micro, unroll=True)) for n in (3, 4)]
+        per_micro = topology.per_layer(*small, tcfg.num_layers, "fit step")
+        costs["fit step"] = dataclasses.replace(per_micro, flops=per_micro.flops * fit.micro_batches,
+                                                bytes_accessed=per_micro.bytes_accessed * fit.micro_batches,
+                                                xla_seconds=None)
+    return _topology_report(config_file, topology_name, chip, axes, source, compiled, costs, tau, tau_source,
+                            batch=batch, prompt_len=prompt_len, max_new=max_new, attention_impl=attention_impl)
+
+
+def _topology_report(config_file, topology_name, chip, axes, source, compiled, costs, tau, tau_source, **shape) -> dict:
+    """``plan_topology``'s JSON-ready report."""
+    def ms(p):
+        return 1e3 * p.roofline_s(chip)
+
+    programs = [{"program": p.name, "compile_s": round(p.compile_s, 1), "arguments": p.arguments,
+                 "outputs": p.outputs, "aliases": p.aliases, "temporaries": p.temporaries, "code": p.code,
+                 "total": p.total, "hbm_fraction": p.total / chip.hbm_bytes,
+                 "fits": p.refused is None and p.total <= chip.hbm_bytes, "margin": chip.hbm_bytes - p.total,
+                 "refused": p.refused} for p in compiled]
+    cost_rows = [{"program": name, "compile_s": round(p.compile_s, 1), "flops": p.flops, "bytes_accessed": p.bytes_accessed,
+                  "roofline_ms": ms(p), "bound": "compute" if p.flops / chip.bf16_flops_per_s
+                  >= p.bytes_accessed / chip.hbm_bytes_per_s else "memory"} for name, p in costs.items()]
+    predicted = {}
+    if "vanilla step" in costs:
+        step = ms(costs["vanilla step"])
+        predicted["vanilla_step_ms"] = step
+        for label, most in (("chain 4 round", 5), ("tree 60,7,10 round", 9)):
+            t = min(tau, most)  # a round commits at most its path
+            predicted[label] = {"round_ms": ms(costs[label]), "tau": t, "speedup": t * step / ms(costs[label])}
+        best = max((v for k, v in predicted.items() if k.endswith("round")), key=lambda v: v["speedup"])
+        predicted["adaptive"] = {"speedup": max(1.0, best["speedup"]),
+                                 "note": "the best of its tiers (no drafting: 1.0x) at this tau"}
+    return {"config": str(config_file), "topology": topology_name, "mesh": axes,
+            "chip": dataclasses.asdict(chip), "target_source": source, "shape": shape,
+            "tau": tau, "tau_source": tau_source, "programs": programs, "costs": cost_rows, "predicted": predicted}
+
+
+def format_topology_report(r: dict) -> str:
+    """``plan --topology``'s printed tables."""
+    c = r["chip"]
+    mesh = ", ".join(f"{a}={s}" for a, s in r["mesh"].items())
+    sh = r["shape"]
+    gib = lambda n: f"{n / 2 ** 30:.2f}"  # noqa: E731
+    lines = [f"plan for {r['config']} compiled for {r['topology']} ({math.prod(r['mesh'].values())} x {c['device_kind']}: "
+             f"{gib(c['hbm_bytes'])} GiB HBM, {c['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+             f"{c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16; {c['source']}) on mesh {mesh}",
+             f"target from {r['target_source']}; decode: {sh['batch']} prompts of {sh['prompt_len']} tokens + "
+             f"{sh['max_new']} new, attention {sh['attention_impl']}",
+             "",
+             "compiled memory per device (GiB)",
+             f"  {'program':<52}{'compile':>9}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}{'code':>7}{'total':>8}{'HBM':>7}  verdict"]
+    for p in r["programs"]:
+        lines.append(f"  {p['program']:<52}{p['compile_s']:>8.1f}s{gib(p['arguments']):>8}{gib(p['outputs']):>8}"
+                     f"{gib(p['aliases']):>8}{gib(p['temporaries']):>8}{gib(p['code']):>7}{gib(p['total']):>8}"
+                     f"{100 * p['hbm_fraction']:>6.0f}%  {'fits' if p['fits'] else 'does NOT fit'}"
+                     + (f" (the compiler: {p['refused']})" if p["refused"] else
+                        f" ({'margin' if p['fits'] else 'over by'} {gib(abs(p['margin']))} GiB)"))
+    if r["costs"]:
+        lines += ["", "cost per device (compiled: 3 and 4 unrolled layers, extrapolated)",
+                  f"  {'program':<28}{'compile':>9}{'GFLOP':>11}{'GB':>9}{'roofline':>12}  bound"]
+        for p in r["costs"]:
+            lines.append(f"  {p['program']:<28}{p['compile_s']:>8.1f}s{p['flops'] / 1e9:>11.1f}"
+                         f"{p['bytes_accessed'] / 1e9:>9.2f}{p['roofline_ms']:>10.2f}ms  {p['bound']}")
+    pr = r["predicted"]
+    if pr:
+        lines += ["", f"predicted at tau = {r['tau']:.2f} ({r['tau_source']}): vanilla {pr['vanilla_step_ms']:.2f} ms/step"]
+        for k, v in pr.items():
+            if k.endswith("round"):
+                lines.append(f"  {k}: {v['round_ms']:.2f} ms/round, {v['tau']:.2f} tokens/round -> {v['speedup']:.2f}x")
+        lines.append(f"  adaptive: {pr['adaptive']['speedup']:.2f}x ({pr['adaptive']['note']})")
+    return "\n".join(lines)

@@ -221,12 +221,15 @@ def parse_mesh(text: str) -> dict[str, int]:
 def place(state, decl, mesh: Mesh, rules: Mapping | None = None):
     """A model's ``nnx`` state with every parameter of ``decl`` (its declaration) placed on
     ``mesh`` by the rules, every other array (buffers such as RoPE frequencies) replicated;
-    arrays already placed so are kept as they are."""
+    arrays already placed so are kept as they are.  An abstract state (``ShapeDtypeStruct``
+    leaves, from ``nnx.eval_shape``) gets ``ShapeDtypeStruct`` s carrying the shardings."""
     by_name = decl.shardings(mesh, rules)
     replicated = NamedSharding(mesh, P())
 
     def put(path, x):
         want = by_name.get(path[0].key, replicated)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=want)
         return x if getattr(x, "sharding", None) == want else jax.device_put(x, want)
 
     return jax.tree_util.tree_map_with_path(put, state)

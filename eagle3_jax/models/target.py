@@ -75,10 +75,13 @@ class Target(nnx.Module):
     """
 
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", unroll_layers: bool = False):
         self.config = cfg
         self.dtype = dtype
         self.attention_impl = attention_impl
+        # the layer scan unrolled: for cost analysis, which counts a loop's body once
+        # (``eagle3_jax.topology``); the same computation either way
+        self.unroll_layers = bool(unroll_layers)
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)))
         rngs = rngs or nnx.Rngs(0)
         for name, value in declare(cfg).initial_values(dtype, rngs.params).items():
@@ -148,7 +151,7 @@ class Target(nnx.Module):
             return (h, feats), new_kv
 
         xs = (jnp.arange(cfg.num_layers), jnp.asarray(hit_L), jnp.asarray(slot_L), stacked)
-        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), xs)
+        (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), xs, unroll=self.unroll_layers or 1)
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
         features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
         return h, features, (k_new, v_new)

@@ -1,0 +1,148 @@
+"""Compiling for TPU topologies on this CPU host (``eagle3_jax.topology``, ``plan --topology``):
+a tiny model's decode loop (XLA and Pallas attention), its parts and its fit step compile for a
+v5e slice; the compiler's out-of-memory refusal is reported, not raised; without libtpu the
+command names the install.  libtpu is the ``tpu`` extra; these tests skip without it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eagle3_jax import cli, decode, plan, sharding, topology
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.models.drafter import Drafter
+from eagle3_jax.models.target import Target
+from eagle3_jax.speculation import Speculation
+from eagle3_jax.tree import TreeConfig
+
+needs_libtpu = pytest.mark.skipif(not topology.have_libtpu(), reason=f"needs libtpu: {topology.INSTALL}")
+
+# head_dim 128: the Mosaic kernel's lanes
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+        "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+        "eos_token_id": 2, "tie_word_embeddings": False}
+
+
+def _pair(attention_impl="xla", unroll=False, layers=4):
+    tcfg = TargetConfig.from_dict({**TINY, "num_hidden_layers": layers}, capture_layers=(0, 1, 2))
+    from eagle3_jax.plan import drafter_config_for
+
+    dcfg = drafter_config_for({"draft_vocab_size": 128}, tcfg)
+    target = nnx.eval_shape(lambda: Target(tcfg, dtype=jnp.bfloat16, attention_impl=attention_impl,
+                                           unroll_layers=unroll))
+    drafter = nnx.eval_shape(lambda: Drafter(dcfg, jnp.zeros((tcfg.vocab_size, tcfg.hidden_size), jnp.bfloat16),
+                                             dtype=jnp.bfloat16))
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return sharding.make_mesh(data=2, devices=topology.devices("v5e:2x2")[:2])
+
+
+@needs_libtpu
+@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
+def test_decode_loop_compiles_for_v5e(v5e, attention_impl):
+    """``generate``'s whole loop (a chain and no drafting, adaptively) compiles for TPU v5e on a
+    2-device mesh, with the Mosaic tree-attention kernel where asked."""
+    target, drafter = _pair(attention_impl)
+    spec = Speculation((None, TreeConfig.chain(3)))
+    lowered = decode.lower_generate(target, drafter, batch=4, prompt_len=40, max_new_tokens=24, mesh=v5e,
+                                    speculation=spec)
+    program, compiled = topology.compile_with_report("loop", lowered)
+    assert compiled is not None and program.refused is None
+    assert 0 < program.total < topology.CHIPS["v5e"].hbm_bytes
+    assert ("tpu_custom_call" in compiled.as_text()) == (attention_impl == "pallas")
+
+
+@needs_libtpu
+def test_round_costs_follow_the_layers(v5e):
+    """The parts' costs: a round of 4 unrolled layers costs more than one of 3, by one layer's
+    weights at least (every weight is read once a round), and the extrapolation is linear."""
+    costs = {}
+    for layers in (3, 4):
+        target, drafter = _pair(unroll=True, layers=layers)
+        prefill, lower_round = decode.lower_parts(target, drafter, batch=2, prompt_len=32, max_new_tokens=16, mesh=v5e,
+                                                  speculation=Speculation((None, TreeConfig.chain(3))))
+        _, pre = topology.compile_with_report("prefill", prefill)
+        costs[layers] = {tier: topology.compile_program("round", lower_round(tier, pre.out_info)) for tier in (None, 1)}
+    layer_weight_bytes = 2 * (4 * 256 * 128 + 3 * 256 * 512)  # bf16 q, k, v, o (2 heads, 1 KV head) and the MLP
+    for tier in (None, 1):
+        three, four = costs[3][tier], costs[4][tier]
+        assert four.bytes_accessed - three.bytes_accessed >= layer_weight_bytes
+        assert four.flops > three.flops
+        eight = topology.per_layer(three, four, 8, "x")
+        assert eight.flops == pytest.approx(three.flops + 5 * (four.flops - three.flops))
+    assert costs[4][1].flops > costs[4][None].flops  # a chain round verifies 4 tokens, a step one
+
+
+@needs_libtpu
+def test_out_of_memory_is_reported_not_raised(v5e):
+    """The TPU compiler refuses a program whose temporaries exceed HBM; the report keeps the
+    figure it gives."""
+    big = jax.ShapeDtypeStruct((1 << 16, 1 << 15), jnp.float32, sharding=NamedSharding(v5e, P()))
+    lowered = jax.jit(lambda x: (x @ x.T).sum()).lower(big)
+    program, compiled = topology.compile_with_report("too big", lowered)
+    assert compiled is None and "exceeds available HBM" in program.refused
+    assert program.temporaries > topology.CHIPS["v5e"].hbm_bytes
+
+
+def test_chip_table_and_names():
+    assert topology.chip("v5p:2x2x2").hbm_bytes == 95 * 2 ** 30
+    with pytest.raises(ValueError, match="unknown chip 'h100'"):
+        topology.chip("h100:1")
+
+
+def test_plan_topology_without_libtpu_names_the_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(topology, "have_libtpu", lambda: False)
+    assert cli.main(["plan", "--config", str(plan.Path(__file__).parent.parent / "configs" / "llama31_8b.yaml"),
+                     "--topology", "v5e:2x4", "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[tpu]"' in err and not (tmp_path / "r.json").exists()
+
+
+@needs_libtpu
+def test_cli_plan_topology_tiny(tmp_path, capsys):
+    """``plan --topology`` end to end on a tiny config: the fit step compiled, its table
+    printed and the JSON report written."""
+    (tmp_path / "targets").mkdir()
+    (tmp_path / "targets" / "tiny.json").write_text(json.dumps(TINY))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("target: /nowhere/tiny\ndata: x.jsonl\nwork_dir: run\nseq_len: 64\ndraft_vocab_size: 128\n"
+                   "dtype: bfloat16\nregenerate: {batch_size: 4, max_new_tokens: 16}\n"
+                   "fit: {batch_size: 8, ttt_length: 2, micro_batches: 2, loss_chunk: 32}\nmesh: {data: -1}\n")
+    out = tmp_path / "report.json"
+    assert cli.main(["plan", "--config", str(cfg), "--topology", "v5e:2x2", "--programs", "fit",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fit step (8 x 64, TTT 2, 2 micro-batches)" in text and "fits" in text
+    report = json.loads(out.read_text())
+    assert report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    (fit,) = report["programs"]
+    assert fit["fits"] and fit["total"] > 0
+    (cost,) = report["costs"]
+    assert cost["flops"] > 0 and cost["roofline_ms"] > 0
+
+
+def test_keep_cpu_default_respects_the_user(monkeypatch):
+    """Only where libtpu is installed, no TPU or GPU plugin is present and JAX_PLATFORMS is unset."""
+    calls = []
+    monkeypatch.setattr(topology.jax.config, "update", lambda *a: calls.append(a))
+    monkeypatch.setattr(topology, "have_libtpu", lambda: True)
+    monkeypatch.setattr(topology, "_has_tpu_hardware", lambda: False)
+    monkeypatch.setattr(topology, "_has_gpu_plugin", lambda: False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    topology.keep_cpu_default()
+    assert calls == []
+    monkeypatch.delenv("JAX_PLATFORMS")
+    topology.keep_cpu_default()
+    assert calls == [("jax_platforms", "cpu")]
+    monkeypatch.setattr(topology, "_has_tpu_hardware", lambda: True)
+    topology.keep_cpu_default()
+    assert len(calls) == 1
