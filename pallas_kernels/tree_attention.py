@@ -3,26 +3,40 @@
 
 ``tree_attention`` (Pallas, TPU Mosaic grid/BlockSpec kernel; runs on the CPU with
 ``interpret=True``), ``tree_attention_mgpu.tree_attention_mgpu`` (Pallas, Mosaic GPU for
-Hopper) and ``tree_attention_ref`` (pure jnp) share one signature; ``attention`` dispatches.
+Hopper) and ``tree_attention_ref`` (pure jnp) share one signature; ``attention`` dispatches
+by the platform the program is compiled for (``pick_kernel``).
 
 Kernel layout and blocking (TPU)
 --------------------------------
-* the cache is read in place: ``[B, S, K, D]`` (or one ``layer`` of the stacked
-  ``[L, B, S, K, D]``, picked by the index map) viewed as ``[.., S, K·D]`` (a free reshape);
-  one block is ``[block_k, hk·D]``: ``block_k`` slots × the lanes of ``hk`` KV heads, the
-  fewest heads that fill whole 128-lane vregs (``hk = 1`` for ``D = 128``, 2 for ``D = 64``),
-  or all ``K`` heads when no divisor of ``K`` does.
-* grid ``(B, K // hk, ceil(S / block_k))``: one program per (sequence, head group),
-  walking the cache in ``block_k`` slots (default 128); the last axis carries the
+* the cache is read in place, in its own layout: ``[B, S, K, D]``, or one ``layer`` of the
+  stacked ``[L, B, S, K, D]`` (a traced index, picked by the index map); a TPU keeps its
+  minor ``[K, D]`` in (8, 128) tiles, so a block is ``[block_k, hk, D]``: ``block_k``
+  slots (default 128) of ``hk`` KV heads, the fewest that fill whole tiles (a multiple
+  of 8 that divides ``K``: 8 for the shipped configs' ``K = 8``), else all ``K``.  (A
+  ``[S, K·D]`` view would be a free reshape on a CPU or GPU but is a relayout copy of the
+  whole cache on a TPU.)  In VMEM the block is turned head-major, ``[hk, block_k, D]``,
+  before its matmuls.
+* grid ``(B, K // hk, cdiv(S, block_k))``: one program per (sequence, head group),
+  walking the cache block by block (``pl.Blocked`` indices: every block starts at a
+  multiple of ``block_k``, which Mosaic can prove tile-aligned); the last axis carries the
   online-softmax state.  Every cache byte is read once (GQA-aware: the query block holds
-  all ``G·T`` rows of the heads sharing a KV head, ``[hk, G·T, D]``, resident in VMEM).
-* blocks at or past ``prefix_len[b]`` are skipped (the index map clamps to the last
-  needed block, so no new DMA is issued); the last block starts at ``S - block_k`` rather
-  than running past the cache, masking the slots its predecessor covered; the last grid
-  step also folds in the ``T`` new keys (``[B, K, T, D]``) under the tree mask, tiled to
-  the query rows (``[B, G·T, T]``).
+  all ``G·T`` rows of the heads sharing each KV head, ``[hk, G·T, D]``, resident in VMEM).
+* a cache whose length is not a multiple of ``block_k`` is not padded: its last block
+  runs past the end (Pallas clips the copy), and the slots there are masked, their values
+  zeroed (VMEM past the copy holds anything, NaN too).  A cache shorter than ``block_k``
+  is one block of all its slots.
+* blocks at or past ``prefix_len[b]`` are skipped: the index map clamps the block index to
+  the block holding the prefix's last slot, so the pipeline issues no new DMA (index
+  arithmetic on non-negative ints, ``lax.div`` rather than ``//``: Mosaic lowers a floor
+  division through ``sign``, which it refuses in an index map); the last grid step also
+  folds in the ``T`` new keys (``[B, K, T, D]``) under the tree mask, tiled to the query
+  rows (``[B, G·T, T]``).
 * accumulators ``m, l [hk, G·T, 1]`` and ``acc [hk, G·T, D]`` are float32 VMEM scratch;
   inputs may be bfloat16 or float32, matmuls accumulate in float32.
+
+``scripts/tpu_kernel_sweep.py`` compiles it through Mosaic for v5e, v5p and v6e at the
+shipped configs' shapes, without a TPU (libtpu compiles for a topology that is not there);
+its speed on a chip is not measured here.
 """
 
 from __future__ import annotations
@@ -70,11 +84,12 @@ def rows_to_tokens(o_BxKxRxD, T: int):
     return o_BxKxRxD.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T), D)
 
 
-def stacked_cache(k_cache, v_cache, layer, min_len: int):
+def stacked_cache(k_cache, v_cache, layer, min_len: int = 0):
     """The kernels' cache view: ``[L, B, S, K, D]`` (a ``[B, S, K, D]`` cache is one layer,
-    a free reshape) and the layer as int32 ``[1]``.  A cache shorter than one block
-    (``min_len`` slots) is the one case that copies: the layer read, padded, so that every
-    block lies inside the array."""
+    a free reshape) and the layer as int32 ``[1]``.  A cache shorter than ``min_len`` slots
+    (the Mosaic GPU kernel's block; the TPU kernel's block shrinks to a short cache instead)
+    is the one case that copies: the layer read, padded, so that every block lies inside
+    the array."""
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     S = k_cache.shape[2]
@@ -97,8 +112,8 @@ def _online_update(s, v, m_ref, l_ref, acc_ref):
 def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *,
             scale: float, block_k: int, cache_len: int):
     b, j = pl.program_id(0), pl.program_id(2)
-    prefix = prefix_ref[b]
-    heads, _, D = q_ref.shape
+    prefix = jnp.minimum(prefix_ref[b], cache_len)
+    heads = q_ref.shape[0]
 
     @pl.when(j == 0)
     def _init():
@@ -107,16 +122,21 @@ def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(h, k, v, mask_fn):
-        s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        q = q_ref[h]
+        if k.shape[0] == 1:  # one key (one new token): Pallas lowers a 16-bit matrix-vector dot with a bad
+            q, k = q.astype(jnp.float32), k.astype(jnp.float32)  # broadcast (jax 0.10.2); exact in float32
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         _online_update(mask_fn(s), v, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
 
     @pl.when(j * block_k < prefix)
     def _prefix_block():
-        slot = _block_start(j, block_k, cache_len) + jax.lax.broadcasted_iota(jnp.int32, (q_ref.shape[1], block_k), 1)
-        visible = (slot >= j * block_k) & (slot < prefix)  # not the previous block's, not past the prefix
+        visible = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < prefix
+        kb, vb = (jnp.swapaxes(ref[...], 0, 1) for ref in (k_ref, v_ref))  # [heads, block_k, D]
+        if cache_len % block_k:  # the last block runs past the cache's end, into VMEM rows that hold
+            rows = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k, 1), 1)  # anything, NaN too,
+            vb = jnp.where(rows < cache_len, vb, 0)  # and 0 · NaN is NaN: zero their values
         for h in range(heads):
-            cols = pl.ds(h * D, D)
-            update(h, k_ref[:, cols], v_ref[:, cols], lambda s: jnp.where(visible, s, -jnp.inf))
+            update(h, kb[h], vb[h], lambda s: jnp.where(visible, s, -jnp.inf))
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _tree_block_and_finish():
@@ -126,22 +146,17 @@ def _kernel(prefix_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref
             o_ref[h] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
 
 
-def _block_start(j, block_k: int, cache_len: int):
-    """First slot of cache block ``j``; the last block ends at the cache's end."""
-    return jnp.minimum(j * block_k, cache_len - block_k)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "interpret"))
 def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
                    scale: float, layer=None, block_k: int = 128, interpret: bool = False):
     """Pallas TPU tree attention (see the module docstring for blocking and layout)."""
     B, T, N, D = q_BxTxNxD.shape
-    kc, vc, layer = stacked_cache(k_cache, v_cache, layer, block_k)
+    kc, vc, layer = stacked_cache(k_cache, v_cache, layer)
     L, _, S, K, _ = kc.shape
     G = N // K
-    # KV heads per program: the fewest whose lanes fill whole 128-lane vregs, else all of them
-    hk = next((h for h in range(1, K + 1) if K % h == 0 and h * D % 128 == 0), K)
-    kc, vc = kc.reshape(L, B, S, K * D), vc.reshape(L, B, S, K * D)  # free: no copy
+    block_k = min(block_k, S)  # a shorter cache is one block of all its slots
+    # KV heads per program: the fewest that fill whole (8, 128) tiles of the cache's [K, D], else all of them
+    hk = next((h for h in range(8, K, 8) if K % h == 0), K)
     # head-major layouts of the small operands: [B, K, rows, D]
     q = rows_by_kv_head(q_BxTxNxD, K)
     kn = k_new_BxTxKxD.astype(kc.dtype).transpose(0, 2, 1, 3)
@@ -149,15 +164,17 @@ def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_n
     mask = jnp.tile(tree_mask_BxTxT.astype(jnp.int32), (1, G, 1))  # [B, G·T, T]: rows are g-major, row = g·T + t
     prefix = prefix_len_B.astype(jnp.int32)
 
-    def kv_index(b, g, j, prefix_ref, layer_ref):  # element offsets; past the prefix: the last block again (no DMA)
-        last = jnp.maximum((prefix_ref[b] + block_k - 1) // block_k - 1, 0)
-        return (layer_ref[0], b, _block_start(jnp.minimum(j, last), block_k, S), g * hk * D)
+    def kv_index(b, g, j, prefix_ref, layer_ref):
+        # block indices; past the prefix, the block holding its last slot again (no new DMA).  lax.div of
+        # a non-negative int, not //: Mosaic lowers a floor division through sign, which it refuses here
+        last = jax.lax.div(jnp.clip(prefix_ref[b] - 1, 0, S - 1), block_k)
+        return layer_ref[0], b, jnp.minimum(j, last), g, 0
 
     heads = lambda b, g, j, *_: (b, g, 0, 0)
-    kv_spec = pl.BlockSpec((None, None, pl.Element(block_k), pl.Element(hk * D)), kv_index)
+    kv_spec = pl.BlockSpec((None, None, block_k, hk, D), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(B, K // hk, -(-S // block_k)),
+        grid=(B, K // hk, pl.cdiv(S, block_k)),
         in_specs=[pl.BlockSpec((None, hk, G * T, D), heads), kv_spec, kv_spec,
                   pl.BlockSpec((None, hk, T, D), heads), pl.BlockSpec((None, hk, T, D), heads),
                   pl.BlockSpec((None, G * T, T), lambda b, g, j, *_: (b, 0, 0))],
@@ -180,16 +197,18 @@ def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not B
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: int = 1, cache_len: int = 0):
+def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: int = 1, cache_len: int = 0,
+                platform: str | None = None):
     """The kernel ``attention`` runs for ``dtype`` inputs, or ``None`` for the XLA reference.
 
-    ``interpret=None`` picks by the default device: the Mosaic TPU kernel on a TPU, the
-    Mosaic GPU kernel on a Hopper GPU for bfloat16/float16 (WGMMA has no exact float32),
-    head_dim 64/128, at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or
-    a decode step; a prefill does not fit its shared memory) and a cache of ``cache_len``
-    slots it can tile (``tree_attention_mgpu.supports``).  ``interpret="tpu"`` / ``"gpu"``
-    returns that kernel in its CPU interpreter, the GPU one under the same rule as on a GPU
-    (else ``None``).
+    ``interpret=None`` picks the compiled kernel for ``platform``, a lowering platform
+    (``"tpu"``, ``"cuda"``, ...; default: the default device's): the Mosaic TPU kernel for a
+    TPU; the Mosaic GPU kernel for CUDA, where the attached GPU, if any, is a Hopper (the
+    kernel is sm_90a code), for bfloat16/float16 (WGMMA has no exact float32), head_dim
+    64/128, at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or a decode
+    step; a prefill does not fit its shared memory) and a cache of ``cache_len`` slots it can
+    tile (``tree_attention_mgpu.supports``).  ``interpret="tpu"`` / ``"gpu"`` returns that
+    kernel in its CPU interpreter, the GPU one under the same rule as on a GPU (else ``None``).
     """
     from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu  # here: it imports this module
 
@@ -201,16 +220,30 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
         fits = mgpu.supports(dtype, head_dim, new_tokens, cache_len)
         return functools.partial(mgpu.tree_attention_mgpu, interpret=True) if fits else None
     device = jax.devices()[0]
-    if device.platform == "tpu":
+    platform = platform or {"gpu": "cuda"}.get(device.platform, device.platform)
+    if platform == "tpu":
         return tree_attention
-    if _is_hopper(device) and mgpu.supports(dtype, head_dim, new_tokens, cache_len):
+    attached_hopper = device.platform != "gpu" or _is_hopper(device)  # no GPU attached: compiling for one
+    if platform == "cuda" and attached_hopper and mgpu.supports(dtype, head_dim, new_tokens, cache_len):
         return mgpu.tree_attention_mgpu
     return None
 
 
 def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale: float, layer=None,
               interpret: str | None = None):
-    """Dispatcher: the kernel ``pick_kernel`` chooses for ``q``, else the XLA reference."""
-    kernel = pick_kernel(q.dtype, q.shape[-1], interpret, new_tokens=q.shape[1], cache_len=k_cache.shape[-3]) \
-        or tree_attention_ref
-    return kernel(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, scale=scale, layer=layer)
+    """Dispatcher: the kernel ``pick_kernel`` chooses for ``q``, else the XLA reference.
+
+    Compiled (``interpret=None``), the platform the program is lowered for chooses, through
+    ``lax.platform_dependent``: only that platform's branch is lowered, so a program compiled
+    for a TPU topology on a CPU host runs the Mosaic kernel, and the CPU runs the reference.
+    """
+    args = (q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask)
+    pick = functools.partial(pick_kernel, q.dtype, q.shape[-1], interpret, new_tokens=q.shape[1],
+                             cache_len=k_cache.shape[-3])
+    reference = functools.partial(tree_attention_ref, scale=scale, layer=layer)
+    if interpret is not None:
+        kernel = pick()
+        return reference(*args) if kernel is None else kernel(*args, scale=scale, layer=layer)
+    branches = {p: functools.partial(kernel, scale=scale, layer=layer)
+                for p in ("tpu", "cuda") if (kernel := pick(platform=p)) is not None}
+    return jax.lax.platform_dependent(*args, default=reference, **branches)

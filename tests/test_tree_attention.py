@@ -1,8 +1,13 @@
 """Pallas tree attention (TPU and GPU kernels in their CPU interpreters) against the jnp
 reference twin, inside the decode loop too; both kernels are also lowered for real chips
-(TPU v5e, Hopper sm_90a) without one."""
+(TPU v5e, Hopper sm_90a) without one, and where libtpu is installed the TPU kernel is
+compiled through Mosaic for a v5e topology, alone and as the dispatcher picks it inside a
+model compiled for the TPU."""
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +49,7 @@ def _inputs(B, gqa, D, T, mask, dtype, S=152):
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
     q, kc, vc, kn, vn = arr(B, T, N, D), arr(B, S, K, D), arr(B, S, K, D), arr(B, T, K, D), arr(B, T, K, D)
     # prefixes around the 64-slot block boundary, an empty cache and (B > 1) a full one, whose
-    # last block overlaps the one before it (152 is not a multiple of 64)
+    # last block runs past the cache's end (152 is not a multiple of 64)
     prefix = jnp.asarray(rng.choice([0, 1, 63, 64, 97, S], size=B), jnp.int32).at[0].set(0)
     if B > 1:
         prefix = prefix.at[-1].set(S)
@@ -65,6 +70,24 @@ def test_tpu_kernel_matches_reference(B, gqa, D, T, mask, dtype):
     args = _inputs(B, gqa, D, T, mask, dtype)
     got = tree_attention(*args, scale=D ** -0.5, block_k=64, interpret=True)
     _assert_close(got, tree_attention_ref(*args, scale=D ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("S", [200, 40])
+def test_tpu_kernel_prefixes_at_block_boundaries(S):
+    """Every prefix at and beside a 64-slot block boundary, in a cache of 200 slots (its last
+    block runs past the end: the interpreter pads it with NaN, as a TPU's VMEM may hold
+    anything) and in one shorter than a block (40: one block of 40 slots); one (traced)
+    layer of a stacked cache, as the decode loop calls it."""
+    B = 8
+    q, _, _, _, kn, vn, m = _inputs(B, 4, 64, 7, "random", jnp.float32, S=S)
+    rng = np.random.default_rng(S)
+    kc, vc = (jnp.asarray(rng.normal(size=(3, B, S, 2, 64)), jnp.float32) for _ in range(2))
+    prefix = jnp.asarray(np.minimum([0, 1, 63, 64, 65, 128, S - 1, S], S), jnp.int32)
+    kernel = jax.jit(lambda kc, vc, layer: tree_attention(q, kc, vc, prefix, kn, vn, m, scale=0.125, layer=layer,
+                                                          block_k=64, interpret=True))
+    got = kernel(kc, vc, jnp.int32(2))
+    assert np.isfinite(np.asarray(got)).all()
+    _assert_close(got, tree_attention_ref(q, kc[2], vc[2], prefix, kn, vn, m, scale=0.125), jnp.float32)
 
 
 @pytest.mark.parametrize("B,gqa,D,T,mask,dtype", [c + (jnp.bfloat16,) for c in CASES] + [CASES[1] + (jnp.float16,)])
@@ -125,24 +148,24 @@ def test_gpu_kernel_refuses_a_cache_it_cannot_tile():
 
 @pytest.mark.parametrize("B,gqa,D,T,dtype", [(1, 8, 128, 60, jnp.bfloat16), (3, 4, 64, 7, jnp.float32),
                                              (2, 1, 64, 1, jnp.bfloat16)])
-def test_tpu_kernel_lowers_for_v5e(monkeypatch, B, gqa, D, T, dtype):
-    """Pallas → Mosaic TPU lowering (block shapes, index maps) for a v5e; Mosaic's own
-    compilation is left to a real TPU."""
-    from jax._src.pallas.mosaic import tpu_info  # the chip the lowering targets, here where there is none
-
-    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+def test_tpu_kernel_lowers_for_tpu(B, gqa, D, T, dtype):
+    """Pallas → Mosaic TPU lowering (block shapes, index maps), which needs no libtpu; Mosaic's
+    own compilation, which does: ``test_tpu_kernel_compiles_for_v5e``."""
     fn = functools.partial(tree_attention, scale=D ** -0.5)
     assert "tpu_custom_call" in _lower(fn, "tpu", B, gqa, D, T, dtype)
 
 
-def _lower(fn, platform, B, gqa, D, T, dtype, K=2, S=1000, L=4):
-    """Lowers ``fn`` as the target calls it: one (traced) layer of the stacked cache."""
+def _trace(fn, B, gqa, D, T, dtype, K=2, S=1000, L=4):
+    """Traces ``fn`` as the target calls it: one (traced) layer of the stacked cache."""
     sds = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
     args = (sds(B, T, K * gqa, D), sds(L, B, S, K, D), sds(L, B, S, K, D), sds(B, dt=jnp.int32), sds(B, T, K, D),
             sds(B, T, K, D), sds(B, T, T, dt=jnp.bool_), sds(dt=jnp.int32))
-    lowered = jax.jit(lambda *a: fn(*a[:-1], layer=a[-1])).trace(*args).lower(lowering_platforms=(platform,))
-    return lowered.as_text()
+    return jax.jit(lambda *a: fn(*a[:-1], layer=a[-1])).trace(*args)
+
+
+def _lower(fn, platform, *shape, **kwargs):
+    """``fn`` (see ``_trace``) lowered for ``platform``, as text."""
+    return _trace(fn, *shape, **kwargs).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_dispatcher_on_cpu():
@@ -151,6 +174,72 @@ def test_dispatcher_on_cpu():
     assert pick_kernel(jnp.bfloat16, 64, "gpu").func is tree_attention_mgpu
     with pytest.raises(ValueError, match="interpret='cuda'"):
         pick_kernel(jnp.bfloat16, 128, "cuda")
+    # compiling for another platform than this host's: that platform's kernel
+    assert pick_kernel(jnp.float32, 128, platform="tpu") is tree_attention
+    assert pick_kernel(jnp.bfloat16, 128, platform="cuda", cache_len=1024) is tree_attention_mgpu
+    assert pick_kernel(jnp.float32, 128, platform="cuda") is None  # WGMMA has no exact float32
+    assert pick_kernel(jnp.bfloat16, 128, platform="cpu") is None
+
+
+def test_dispatcher_lowers_only_the_target_platforms_branch():
+    """``attention`` compiled: the kernel of the platform the program is lowered for (the
+    CPU's reference here; the Mosaic kernels where lowered for a TPU or a GPU, with no chip)."""
+    from eagle3_jax.pallas_kernels.tree_attention import attention
+
+    traced = _trace(functools.partial(attention, scale=128 ** -0.5), 2, 4, 128, 7, jnp.bfloat16, S=1024)
+    cpu, tpu, cuda = (traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "tpu", "cuda"))
+    assert "tpu_custom_call" not in cpu and "mosaic_gpu" not in cpu
+    assert "tpu_custom_call" in tpu and "mosaic_gpu" not in tpu
+    assert "mosaic_gpu" in cuda and "tpu_custom_call" not in cuda
+    q, kc, vc, prefix, kn, vn, m = _inputs(3, 4, 64, 7, "random", jnp.float32)
+    _assert_close(jax.jit(functools.partial(attention, scale=0.125))(q, kc, vc, prefix, kn, vn, m),
+                  tree_attention_ref(q, kc, vc, prefix, kn, vn, m, scale=0.125), jnp.float32)
+
+
+def _sweep():
+    """``scripts/tpu_kernel_sweep.py`` (its shapes, one chip of a topology, the compile and its
+    checks), or a skip where libtpu is not installed."""
+    pytest.importorskip("libtpu", reason='compiling for a TPU needs libtpu: pip install -e ".[tpu]"')
+    path = Path(__file__).parent.parent / "scripts" / "tpu_kernel_sweep.py"
+    spec = importlib.util.spec_from_file_location("tpu_kernel_sweep", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tpu_kernel_compiles_for_v5e():
+    """Through Mosaic, for a v5e chip (no TPU here: libtpu compiles for the topology): one layer
+    of a stacked cache of 1000 slots (not a multiple of the 128-slot block) picked by a traced
+    index, and a single-layer cache shorter than one block; the compiled program holds the
+    kernel and no copy of the cache."""
+    sweep = _sweep()
+    device = sweep.tpu_device("v5e:2x2")
+    for shape in (sweep.Shape(2, 16, 32, 1000), sweep.Shape(3, 1, 64, 100, stacked=False)):
+        compiled = sweep.compile_shape(device, shape)
+        assert sweep.check(compiled, shape)[0] is None, shape
+        assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_model_compiled_for_a_tpu_runs_the_mosaic_kernel():
+    """A Pallas-attention target's tree step compiled for a v5e on this CPU host runs the
+    Mosaic kernel: the dispatcher picks by the platform compiled for, not by this host's
+    device (run here, the same step runs the reference: the dispatcher test above)."""
+    from flax import nnx
+    from eagle3_jax.config import TargetConfig, read_config_json
+    from eagle3_jax.models import target as target_module
+
+    sweep = _sweep()
+    mesh = jax.sharding.Mesh([sweep.tpu_device("v5e:2x2")], ("chip",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cfg = TargetConfig.from_dict(read_config_json(FIXTURES / "target_tiny" / "config.json"))
+    target = nnx.eval_shape(lambda: eagle3_jax.Target(cfg, dtype=jnp.bfloat16, attention_impl="pallas"))
+    graph, state = nnx.split(target)
+    B, N = 2, 8
+    cache = jax.eval_shape(lambda: target.init_cache(B, 200))  # 256 slots: a cache a kernel reads
+    tokens, depth, tree_mask = jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.int32), jnp.ones((B, N, N), bool)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                        (state, cache, tokens, depth, tree_mask))
+    assert "tpu_custom_call" in target_module._tree_jit.lower(graph, *args).compile().as_text()
 
 
 def test_generate_with_pallas_is_token_identical():
