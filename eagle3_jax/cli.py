@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pickle
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -134,8 +135,15 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"give one prompt, not {' and '.join(given)}")
     if not given:
         raise ValueError("give a prompt: eagle3-jax generate \"TEXT\" (or --prompt-ids 1,2,3)")
-    target, drafter, tok, is_builtin = _load_pair(args)
     text = args.prompt if args.prompt is not None else args.prompt_flag
+    if text is not None:
+        from eagle3_jax.serve.text import blank_problem, encoding_problem
+
+        blank = blank_problem(text)
+        problem = encoding_problem(text) or (blank and f"{blank}: give the text to answer")
+        if problem:
+            raise ValueError(f"{given[0]} {problem}")
+    target, drafter, tok, is_builtin = _load_pair(args)
     if args.prompt_ids:
         vocab = target.config.vocab_size
         if max(args.prompt_ids) >= vocab:
@@ -443,6 +451,10 @@ def _serve_common(p):
     p.add_argument("--reasoning-effort-budgets", type=_budget, nargs=3, metavar=("LOW", "MEDIUM", "HIGH"),
                    help="thinking budgets of reasoning_effort low/medium/high (default: 16 64 unlimited for the "
                         "built-in pair, else 256 1024 unlimited)")
+    p.add_argument("--max-body-bytes", type=_number(int, "max-body-bytes", lo=1), default=None, metavar="N",
+                   help="larger request bodies get 413 before they are parsed (default: sized from --max-len and the "
+                        "tokenizer: the longest prompt text that can fit, as JSON)")
+    _compile_cache_arg(p)
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
 
 
@@ -470,8 +482,20 @@ class _UsageError(Exception):
     """A command-line usage error (argparse's), reported in one line."""
 
 
+# what argparse takes for a negative number, not an option, after a space: -1, -.5, and (its own
+# pattern has neither) exponents, infinities and comma-separated lists such as --prompt-ids -1,2
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(,[-+]?\d+)*$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
     def error(self, message):
+        flag = re.match(r"argument ([^/:]+).*: expected one argument$", message)
+        if flag:  # the value began with "-": argparse read it as an option
+            message += f" (a value that begins with '-' goes as {flag.group(1)}=VALUE)"
         raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
@@ -674,6 +698,63 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+COMPILE_CACHE_OFF = "off"
+COMPILE_CACHE_BYTES = 4 << 30  # the cache's default bound (least recently used entries go first)
+COMPILE_CACHE_MIN_SECONDS = 0.0  # every program is kept: a start loads even the small ones
+
+
+def default_compile_cache() -> Path:
+    """The per-user XLA compilation cache: ``$XDG_CACHE_HOME/eagle3-jax/xla`` (by default
+    ``~/.cache/eagle3-jax/xla``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "eagle3-jax" / "xla"
+
+
+def _compile_cache_arg(p):
+    p.add_argument("--compile-cache", type=_path, default=None, metavar="DIR",
+                   help="keep compiled XLA programs in DIR, so that the next start skips compiling them (default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/eagle3-jax/xla; off: no cache)")
+
+
+def use_compile_cache(flag: str | None) -> Path | None:
+    """Turns on JAX's persistent compilation cache (before anything compiles) in ``flag``'s
+    directory, else ``$JAX_COMPILATION_CACHE_DIR``'s (JAX reads it), else
+    :func:`default_compile_cache`; ``"off"`` turns it off.  Returns the directory (None: off).
+
+    Safe across versions and processes: JAX keys each entry by its own and the backend's
+    versions, the XLA flags, the devices and the program, and a size bound (here
+    ``COMPILE_CACHE_BYTES`` unless ``$JAX_COMPILATION_CACHE_MAX_SIZE`` sets one) makes it evict
+    the least recently used entries and lock the directory while it reads or writes, so that
+    processes sharing it never see half an entry.  Programs that compiled in at least
+    ``COMPILE_CACHE_MIN_SECONDS`` are kept (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` may
+    say otherwise).  A default directory that cannot be made is skipped with a warning; a
+    ``flag`` directory raises ``OSError``."""
+    import jax
+
+    if flag is not None and flag.lower() == COMPILE_CACHE_OFF:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = Path(flag or jax.config.jax_compilation_cache_dir or default_compile_cache())
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(path))
+    except OSError as e:
+        if flag is not None:
+            raise OSError(f"--compile-cache {path}: cannot keep compiled programs there "
+                          f"({e.strerror or e}); give another directory or off") from None
+        print(f"eagle3-jax: warning: no compilation cache ({path}: {e.strerror or e}); every start compiles",
+              file=sys.stderr)
+        return None
+    if jax.config.jax_compilation_cache_dir != str(path):
+        jax.config.update("jax_compilation_cache_dir", str(path))
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILE_CACHE_MIN_SECONDS)
+    return path
+
+
 def _common(p, mesh: bool = True):
     _pair_args(p)
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
@@ -693,6 +774,7 @@ def _common(p, mesh: bool = True):
     p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
                    help="soft mode's grace in tokens (default 16)")
     p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    _compile_cache_arg(p)
     if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
         p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="{auto,none,AXES}",
                        help="decode on a device mesh, e.g. data=2,tensor=4: weights over tensor, KV caches over KV "
@@ -879,6 +961,8 @@ def main(argv=None, cores: bool | None = None) -> int:
     if (argv is None) if cores is None else cores:
         _use_cores(args)
     try:
+        if hasattr(args, "compile_cache"):  # the commands that compile: serve, replay, generate, bench, experiment
+            use_compile_cache(args.compile_cache)
         return args.func(args)
     except KeyboardInterrupt:
         if args.debug:

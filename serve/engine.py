@@ -132,8 +132,8 @@ class Engine:
     Args:
       slots: the device-side slot engine (not thread-safe: only the engine thread touches it).
       tokenizer: decodes the output (a private copy is used, off the event loop's thread).
-      max_queue: the most requests waiting for a slot; :meth:`submit` raises ``QueueFull``
-        beyond it.
+      max_queue: the most requests waiting beyond the free slots (0: none wait);
+        :meth:`submit` raises ``QueueFull`` beyond it.
       rounds_per_dispatch: the most decode rounds per host sync (while no request waits).
       dispatch_ms: after :meth:`warmup`, also at most the rounds that take this long (the
         engine's dearest round, measured on ``slots``); None: ``rounds_per_dispatch`` only.
@@ -161,6 +161,8 @@ class Engine:
         self._stop = False
         self.error: str | None = None
         self.dispatches = 0
+        self._deferred: list[tuple[str, int]] = []  # warm-up programs the engine thread compiles while idle
+        self._warmed, self._warm_args = 0, ([], None, 0)  # programs warmed; (prompt, progress, total) of warmup()
         self._thread = threading.Thread(target=self._main, name="eagle3-engine", daemon=True)
 
     # -- the event loop's side -------------------------------------------------------------
@@ -189,45 +191,85 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def warmup(self, prompt_ids, cycles: int = 3):
+    def warmup_steps(self) -> list[tuple[str, int]]:
+        """The programs :meth:`warmup` compiles, in its order: ``("dispatch", rows)`` for every
+        row bucket (``Slots.row_buckets``), then ``("prefill", prompt_len)`` for every prompt
+        bucket (``Slots.warm_buckets``)."""
+        s = self.slots
+        return [("dispatch", rows) for rows in s.row_buckets()] + [("prefill", n) for n in s.warm_buckets()]
+
+    @property
+    def deferred(self) -> int:
+        """Warm-up programs left to the engine thread (``warmup(defer=True)``), not yet compiled."""
+        return len(self._deferred)
+
+    def warmup(self, prompt_ids, cycles: int = 3, progress=None, defer: bool = False):
         """Compiles the engine's programs (prefill, dispatches, release, poll) on a short greedy
         request: ``cycles`` times over in slot 0 (a program whose input state came from another
         program may compile again), then once in the last slot of every larger row bucket
         (``Slots.row_buckets``: a dispatch compiles per row count); then the prefill of every
         prompt bucket (so that no request waits for a compilation, and no running stream stalls
-        for one); then bounds the rounds per dispatch by ``dispatch_ms`` (``max_rounds``).  Call
-        before :meth:`start`."""
+        for one); then bounds the rounds per dispatch by ``dispatch_ms`` (``max_rounds``).
+        ``progress(done, total, what)`` is called after each of :meth:`warmup_steps`.
+
+        ``defer``: the dispatches of the row buckets between one row and every slot are left to
+        the engine thread, which compiles them one at a time while it has no request
+        (:attr:`deferred`): the engine starts serving sooner, and a request that arrives during
+        one waits for it (its program is in the persistent compilation cache after a first start,
+        so seconds).  Call before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
+        steps = self.warmup_steps()
+        edges = (1, self.slots.num_slots)
+        later = [st for st in steps if defer and st[0] == "dispatch" and st[1] not in edges]
+        self._warm_args = (list(prompt_ids), progress, len(steps))
+        for i, step in enumerate(st for st in steps if st not in later):
+            self._warm(step, cycles if i == 0 else 1)  # the states' kinds are settled after the first
+        self._deferred = later
         s = self.slots
-        prompt_ids = list(prompt_ids)
-        for i, rows in enumerate(s.row_buckets()):
-            for _ in range(cycles if i == 0 else 1):  # the states' kinds are settled by then
-                s.insert(rows - 1, prompt_ids, max_new_tokens=max(1, min(8, s.max_new_tokens_for(len(prompt_ids)))))
-                s.run(1)
-                s.run(self.rounds_per_dispatch)
-                s.poll()
-                s.release(rows - 1)
-                s.poll()
-        for n in s.warm_buckets():
-            s.insert(0, (prompt_ids * n)[:n], max_new_tokens=1)
-            s.poll()
-            s.release(0)
-        s.poll()
         if self.dispatch_ms is not None:
             dearest = max(s.round_ms or s.measure_round_ms(repeats=1))
             self.max_rounds = max(1, min(self.rounds_per_dispatch, int(self.dispatch_ms / dearest)))
         s.reset_policy()  # the warm-up requests taught the adaptive policy nothing about real ones
 
+    def _warm(self, step: tuple[str, int], cycles: int = 1):
+        """Runs one of :meth:`warmup_steps` (its program compiles) and reports it.  A deferred
+        one leaves the adaptive policy as it was taught by real requests (its few warm-up
+        rounds count among them)."""
+        prompt_ids, progress, total = self._warm_args
+        s = self.slots
+        kind, n = step
+        if kind == "dispatch":
+            for _ in range(cycles):
+                s.insert(n - 1, prompt_ids, max_new_tokens=max(1, min(8, s.max_new_tokens_for(len(prompt_ids)))))
+                s.run(1)
+                s.run(self.rounds_per_dispatch)
+                s.poll()
+                s.release(n - 1)
+                s.poll()
+        else:
+            s.insert(0, (prompt_ids * n)[:n], max_new_tokens=1)
+            s.poll()
+            s.release(0)
+            s.poll()
+        self._warmed += 1
+        if progress is not None:
+            progress(self._warmed, total, f"dispatch of {n} rows" if kind == "dispatch" else
+                     f"prefill of {s.prompt_bucket(n)}-token prompts")
+
     def submit(self, prompt_ids, params: Params, *, split: bool) -> Request:
         """Queues a request (call on the asyncio loop that reads its events); raises
-        ``QueueFull`` when ``max_queue`` requests wait, ``EngineDown`` when stopped."""
+        ``QueueFull`` when every slot is busy or spoken for and ``max_queue`` requests already
+        wait beyond the slots (``max_queue=0``: no waiting line, a request is taken only into a
+        free slot), ``EngineDown`` when stopped."""
         req = Request(self, prompt_ids, params, split, asyncio.get_running_loop())
         with self._cv:
             if not self.alive:
                 raise EngineDown(self.error or "the engine is not running")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting for {self.slots.num_slots} slots)")
+            free = sum(r is None for r in self._by_slot)
+            if len(self._waiting) - free >= self.max_queue:
+                raise QueueFull(f"the queue is full: all {self.slots.num_slots} slots are busy and "
+                                f"{self.max_queue} requests wait beyond them (--max-queue {self.max_queue})")
             self._waiting.append(req)
             self._cv.notify()
         if self.metrics is not None:
@@ -272,11 +314,16 @@ class Engine:
         poll (while the dispatch runs), then the poll of the program before this dispatch (the
         previous dispatch, or this step's last admission); False to stop."""
         with self._cv:
-            while not (self._stop or self._waiting or self._cancelled or self.running or self._pending):
+            while not (self._stop or self._waiting or self._cancelled or self.running or self._pending
+                       or self._deferred):
                 self._cv.wait()
             if self._stop:
                 return False
+            idle = not (self._waiting or self._cancelled or self.running or self._pending)
             cancelled, self._cancelled = self._cancelled, []
+        if idle:  # nothing to serve: a deferred warm-up program
+            self._warm(self._deferred.pop(0))
+            return True
         for req in cancelled:
             if not req.done:
                 if req.slot is not None:

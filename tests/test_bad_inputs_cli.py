@@ -80,6 +80,21 @@ CASES = [
     (["generate", "--prompt-ids", "1", "--target", "{tmp}/nowhere"], ["nowhere", "config.json"]),
     (["generate", "--prompt-ids", "1,5000", "--target", "{target}"], ["--prompt-ids", "5000", "0..1023"]),
     (["generate", "hello", "--target", "{target}"], ["--target", "no tokenizer", "--prompt-ids"]),
+    # generate: prompts with nothing to answer, or not text, refused by name before anything loads
+    (["generate", ""], ["PROMPT is empty"]),
+    (["generate", "   "], ["PROMPT is only whitespace"]),
+    (["generate", "", "--raw"], ["PROMPT is empty"]),
+    (["generate", "--prompt", "\n\t "], ["--prompt is only whitespace"]),
+    (["generate", "caf\udce9"], ["PROMPT", "encoding error", "U+DCE9", "0xE9"]),
+    # numbers after a space that argparse's own pattern reads as options
+    (["generate", "--prompt-ids", "1", "--temperature", "-1e-3"], ["--temperature", ">= 0", "-1e-3"]),
+    (["generate", "--prompt-ids", "1", "--temperature", "-inf"], ["--temperature", "finite"]),
+    (["generate", "--prompt-ids", "1", "--top-p", "-1E2"], ["--top-p", "> 0"]),
+    (["generate", "--prompt-ids", "-1,2"], ["--prompt-ids", "non-negative", "'-1,2'"]),
+    (["generate", "--prompt", "-x"], ["--prompt", "--prompt=VALUE"]),
+    # the compilation cache
+    (["generate", "--prompt-ids", "1", "--compile-cache", "{tmp}/afile"], ["--compile-cache", "afile", "off"]),
+    (["serve", "--max-body-bytes", "0"], ["--max-body-bytes", ">= 1"]),
     # bench: counts, outputs (checked before anything loads), prompts
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--repeats", "0"], ["--repeats"]),
@@ -246,3 +261,40 @@ def test_bench_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch,
     assert rc == 2 and "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
     assert "--json" in captured.err and "report is on stdout" in captured.err
     assert json.loads(captured.out)["reports"] == [REPORT]
+
+
+def test_compile_cache_is_per_user_bounded_and_overridable(tmp_path, monkeypatch, capsys):
+    """serve, replay, generate, bench and experiment keep compiled programs in a per-user
+    directory by default (bounded, so JAX locks it between processes); $JAX_COMPILATION_CACHE_DIR
+    and --compile-cache choose another, off none; a default that cannot be made only warns."""
+    import jax
+
+    keys = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs",
+            "jax_enable_compilation_cache")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    for var in ("JAX_COMPILATION_CACHE_MAX_SIZE", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        default = tmp_path / "xdg" / "eagle3-jax" / "xla"
+        assert cli.use_compile_cache(None) == default and default.is_dir()
+        assert (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size,
+                jax.config.jax_persistent_cache_min_compile_time_secs) == \
+            (str(default), cli.COMPILE_CACHE_BYTES, cli.COMPILE_CACHE_MIN_SECONDS)
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "env"))  # as $JAX_COMPILATION_CACHE_DIR sets it
+        assert cli.use_compile_cache(None) == tmp_path / "env"
+        assert cli.use_compile_cache(str(tmp_path / "flag")) == tmp_path / "flag"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "flag")
+        assert cli.use_compile_cache("off") is None and not jax.config.jax_enable_compilation_cache
+        (tmp_path / "afile").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile"))
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert cli.use_compile_cache(None) is None
+        assert "warning: no compilation cache" in capsys.readouterr().err
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+    parser = cli.build_parser()
+    for argv in (["serve"], ["replay", "--rate", "1"], ["generate", "x"], ["bench"], ["experiment"]):
+        assert parser.parse_args([*argv, "--compile-cache", "off"]).compile_cache == "off"

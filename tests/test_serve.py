@@ -244,6 +244,7 @@ def _post(server, path, body, raw=False):
     ({"stop": "x" * 257}, "stop", 400),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"stop_token_ids": [99999]}, "stop_token_ids", 400),
+    ({"stop_token_ids": list(range(10, 19)), "stream": True}, "stop_token_ids", 400),  # 9: more than the slots take
     ({"thinking_budget": -3}, "thinking_budget", 400),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", 400),
     ({"reasoning_effort": "low", "thinking_budget": 3}, "reasoning_effort", 400),
