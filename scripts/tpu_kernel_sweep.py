@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import os
 import sys
 import time
 
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.pallas_kernels.tree_attention import tree_attention
+from eagle3_jax.topology import devices as topology_devices
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}  # the smallest each libtpu describes
 HEAD_DIM, KV_HEADS = 128, 8
@@ -83,18 +83,8 @@ def shapes(quick: bool = False) -> list[Shape]:
 
 
 def tpu_device(topology: str):
-    """One chip of TPU topology ``topology`` (compile-only: no TPU needed, libtpu is).
-
-    libtpu, started on a host without TPUs, asks the cloud's metadata for the slice it is on,
-    prints warnings when there is none, and locks itself to one process per host; here it is
-    one host (so it asks nothing and prints nothing) and several processes (test workers)
-    may compile at once."""
-    for name, value in (("TPU_HOST_BOUNDS", "1,1,1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-        os.environ.setdefault(name, value)
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    """One chip of TPU topology ``topology``, compile-only (``eagle3_jax.topology.devices``)."""
+    return topology_devices(topology)[0]
 
 
 def compile_shape(device, shape: Shape) -> jax.stages.Compiled:
