@@ -7,6 +7,8 @@
 * :mod:`eagle3_jax.serve.app` — FastAPI endpoints (``/v1/chat/completions``,
   ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``) and ``eagle3-jax serve``;
 * :mod:`eagle3_jax.serve.metrics` — Prometheus metrics;
+* :mod:`eagle3_jax.serve.text` — checks of prompt text shared with the command line (blank,
+  not valid Unicode);
 * :mod:`eagle3_jax.serve.replay` — Poisson arrival-rate replay (``eagle3-jax replay``).
 
 Nothing is imported here: FastAPI, uvicorn and prometheus_client (the ``serve`` extra) load

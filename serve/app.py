@@ -6,8 +6,16 @@ thinking text in ``reasoning_content`` (and ``reasoning``, vLLM's newer name) an
 in ``content``; ``usage`` has ``completion_tokens_details.reasoning_tokens`` and the request's
 speculative figures under ``speculative`` (rounds, tau, proposed, accepted, acceptance per
 draft position, per phase).  Errors are OpenAI's ``{"error": {"message", "type", "param",
-"code"}}``: 400 for a bad parameter (named in ``param``), 404 for an unknown model, 429 when
-the queue is full, 503 when the engine is down.
+"code"}}``: 400 for a bad parameter (named in ``param``; every one is checked before a response
+starts, so a stream never opens on a bad request), 404 for an unknown model, 413 for a body
+past ``--max-body-bytes`` (before it is read), 429 when the slots and the queue are full, 503
+while the engine warms up (``/health`` says ``warming_up``, with the programs compiled of the
+total) and when it is down.
+
+Requests are bounded before they cost anything: the body's bytes, then the prompt text's
+characters (the most that can fit in the context) before it is tokenized; prompts are
+tokenized on worker threads (:class:`TokenizerPool`), off the event loop and the engine
+thread.  Content other than text (images, audio, files) and tool calling are refused by name.
 
 Request parameters besides OpenAI's: ``top_k``, ``stop_token_ids``, ``thinking_budget``
 (thinking tokens allowed; ``reasoning_effort`` low / medium / high maps to budgets set by the
@@ -33,11 +41,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle3_jax.decode import MIN_TEMPERATURE  # below it, a request's sampling is greedy
 from eagle3_jax.serve.engine import Engine, EngineDown, Params, QueueFull
 from eagle3_jax.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from eagle3_jax.serve.text import blank_problem, encoding_problem
 
-MIN_TEMPERATURE = 1e-3  # below it, sampling is greedy (as eagle3_jax.decode's)
 # a request's stop strings are matched on the engine's thread at every dispatch, beside every
 # other request's: bounded (OpenAI allows 4)
 MAX_STOP, MAX_STOP_CHARS = 16, 256
@@ -282,6 +290,13 @@ def check(req: _Sampling, cfg: ServerConfig, slots) -> None:
     content (text only), the prompt text (not blank, valid Unicode, at most
     ``cfg.max_prompt_chars`` characters) and token-id prompts.  ``ApiError`` names the
     parameter; :func:`resolve` checks the tokenized prompt's length."""
+    _check_parameters(req, cfg, slots)
+    if isinstance(req, ChatRequest):
+        _check_messages(req)
+    _check_prompt(req, cfg, slots)
+
+
+def _check_parameters(req: _Sampling, cfg: ServerConfig, slots):
     if req.model is not None and req.model != cfg.model_name:
         raise ApiError(404, f"The model `{req.model}` does not exist (this server serves `{cfg.model_name}`)", "model",
                        "model_not_found")
@@ -328,8 +343,9 @@ def check(req: _Sampling, cfg: ServerConfig, slots) -> None:
     if slots.thinking is None and (req.thinking_budget is not None or req.reasoning_effort is not None):
         name = "thinking_budget" if req.thinking_budget is not None else "reasoning_effort"
         raise ApiError(400, f"{name}: this model has no thinking phase (its tokenizer has no <think>/</think>)", name)
-    if isinstance(req, ChatRequest):
-        _check_messages(req)
+
+
+def _check_prompt(req: _Sampling, cfg: ServerConfig, slots):
     texts = _texts(req)
     for name, text in texts:
         problem = encoding_problem(text)
@@ -424,8 +440,7 @@ class TokenizerPool:
     """Prompts tokenized (chat templates applied) on ``workers`` threads, off the event loop and
     the engine thread, so that one long prompt delays no other request's stream; each thread
     tokenizes with its own copy of ``tokenizer`` (a fast tokenizer is not used from two threads
-    at once).  :meth:`run` refuses (429) a prompt while ``limit`` are in the pool: what waits
-    for it is bounded too."""
+    at once).  ``busy`` counts the prompts in the pool (the app bounds it)."""
 
     def __init__(self, tokenizer, workers: int = TOKENIZE_WORKERS):
         local = threading.local()
@@ -441,12 +456,8 @@ class TokenizerPool:
     def _call(self, fn, req):
         return fn(self._local.tokenizer, req)
 
-    async def run(self, fn, req, limit: int) -> list[int]:
-        """``fn(tokenizer, req)`` on a worker thread; ``ApiError`` 429 while ``limit`` prompts are
-        in the pool."""
-        if self.busy >= limit:
-            raise ApiError(429, f"the server is busy: {self.busy} prompts are being tokenized (at most {limit}, "
-                                "the slots and the queue)", None, "queue_full")
+    async def run(self, fn, req) -> list[int]:
+        """``fn(tokenizer, req)`` on a worker thread."""
         self.busy += 1
         try:
             return await asyncio.wrap_future(self._pool.submit(self._call, fn, req))
@@ -574,8 +585,8 @@ class _BodyGuard:
             try:
                 body.decode("utf-8")
             except UnicodeDecodeError as e:
-                err = ApiError(400, f"the request body is not UTF-8 text (an encoding error): byte 0x{body[e.start]:02X} "
-                                    f"at offset {e.start}", None, "invalid_encoding")
+                err = ApiError(400, "the request body is not UTF-8 text (an encoding error): byte "
+                                    f"0x{body[e.start]:02X} at offset {e.start}", None, "invalid_encoding")
         if err is not None:
             self.on_reject(scope["path"], err)
             return await err.response()(scope, receive, send)
@@ -665,8 +676,9 @@ def create_app(engine: Engine | Startup, cfg: ServerConfig, metrics: Metrics | N
         if startup.error is not None:
             raise ApiError(503, f"the engine failed to start ({type(startup.error).__name__}: {startup.error})", None,
                            "engine_down")
-        raise ApiError(503, f"the server is warming up ({startup.done} of {startup.total or '?'} programs compiled); "
-                            "retry shortly", None, "warming_up")
+        done = f"compiling {startup.what}" if startup.total is None else \
+            f"{startup.done} of {startup.total} programs compiled"
+        raise ApiError(503, f"the server is warming up ({done}); retry shortly", None, "warming_up")
 
     async def lifespan(app):
         if startup is not None:
@@ -746,7 +758,11 @@ def create_app(engine: Engine | Startup, cfg: ServerConfig, metrics: Metrics | N
         response starts."""
         eng = ready()
         check(body, cfg, eng.slots)
-        prompt_ids = await tokenizers.run(prompt, body, limit=eng.slots.num_slots + eng.max_queue)
+        if tokenizers.busy >= eng.slots.num_slots + eng.max_queue:  # what waits to be tokenized is bounded too
+            raise ApiError(429, f"the queue is full: {tokenizers.busy} requests are being tokenized, as many as the "
+                                f"{eng.slots.num_slots} slots and the queue (--max-queue {eng.max_queue}) hold", None,
+                           "queue_full")
+        prompt_ids = await tokenizers.run(prompt, body)
         params = resolve(body, prompt_ids, eng, cfg)
         try:
             return eng.submit(prompt_ids, params, split=split)

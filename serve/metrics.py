@@ -38,7 +38,7 @@ class Metrics:
         self.requests = Counter(PREFIX + "requests", "HTTP generation requests received, by endpoint",
                                 ["model_name", "endpoint"], registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused: 400 invalid, 404 unknown model, "
-                                "429 queue full, 503 engine down", ["model_name", "code"], registry=r)
+                                "413 body too large, 429 queue full, 503 warming up or engine down", ["model_name", "code"], registry=r)
         self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason (stop, length, "
                                 "cancelled, error)", ["model_name", "finished_reason"], registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a slot", ["model_name"], registry=r)

@@ -30,4 +30,5 @@ def encoding_problem(text: str) -> str | None:
         return None
     code = ord(m.group())
     byte = f" (how Python reads a byte 0x{code - 0xDC00:02X} that is not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
-    return f"is not valid Unicode text (an encoding error): character {m.start()} is a lone surrogate U+{code:04X}{byte}"
+    return (f"is not valid Unicode text (an encoding error): character {m.start()} is a lone surrogate "
+            f"U+{code:04X}{byte}")
