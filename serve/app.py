@@ -993,8 +993,8 @@ def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024
     ``warmup`` compiles the engine's programs on a short request before serving (and bounds
     the rounds per dispatch by ``dispatch_ms``: ``eagle3_jax.serve.engine.Engine``).
     ``max_body_bytes``: the largest request body read (default :func:`body_byte_limit`);
-    ``defer_warmup``: the dispatches of the row buckets between one row and every slot are
-    compiled by the engine thread while it has no request (``Engine.warmup(defer=True)``).
+    ``defer_warmup``: the dispatches of more than one row are compiled by the engine thread
+    while it has no request (``Engine.warmup(defer=True)``).
 
     ``background``: the engine is built and warmed up once the app starts (a :class:`Startup`:
     ``/health`` says ``warming_up`` until then), not before this returns.  ``progress(done,

@@ -212,16 +212,15 @@ class Engine:
         for one); then bounds the rounds per dispatch by ``dispatch_ms`` (``max_rounds``).
         ``progress(done, total, what)`` is called after each of :meth:`warmup_steps`.
 
-        ``defer``: the dispatches of the row buckets between one row and every slot are left to
-        the engine thread, which compiles them one at a time while it has no request
+        ``defer``: the dispatches of more than one row are left to the engine thread, which
+        compiles them one at a time, fewest rows first, while it has no request
         (:attr:`deferred`): the engine starts serving sooner, and a request that arrives during
-        one waits for it (its program is in the persistent compilation cache after a first start,
-        so seconds).  Call before :meth:`start`."""
+        one, or needs one not compiled yet, waits for it (after a first start it comes from the
+        persistent compilation cache: seconds).  Call before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
         steps = self.warmup_steps()
-        edges = (1, self.slots.num_slots)
-        later = [st for st in steps if defer and st[0] == "dispatch" and st[1] not in edges]
+        later = [st for st in steps if defer and st[0] == "dispatch" and st[1] > 1]
         self._warm_args = (list(prompt_ids), progress, len(steps))
         for i, step in enumerate(st for st in steps if st not in later):
             self._warm(step, cycles if i == 0 else 1)  # the states' kinds are settled after the first

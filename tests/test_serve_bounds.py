@@ -280,22 +280,22 @@ def test_health_says_warming_up_until_the_engine_is_built(tok):
 
 
 def test_deferred_warm_up_compiles_while_no_request_runs(tok):
-    """``warmup(defer=True)`` compiles one row and every slot's dispatches (and the prefills)
-    at once, the row counts between them on the engine thread while it is idle; the progress
-    counts every program of the total."""
+    """``warmup(defer=True)`` compiles the one-row dispatch and the prefills at once, the
+    dispatches of more rows on the engine thread while it is idle; the progress counts every
+    program of the total."""
     slots = _slots(tok, num_slots=8)
     seen = []
     engine = Engine(slots, tok, max_queue=4)
     engine.warmup([1, 2], progress=lambda done, total, what: seen.append((done, total, what)), defer=True)
     steps = engine.warmup_steps()
-    assert [what for *_, what in seen] == ["dispatch of 1 rows", "dispatch of 8 rows", "prefill of 96-token prompts"]
-    assert engine.deferred == 2 and [d for d, *_ in seen] == [1, 2, 3] and {t for _, t, _ in seen} == {len(steps)}
+    assert [what for *_, what in seen] == ["dispatch of 1 rows", "prefill of 96-token prompts"]
+    assert engine.deferred == 3 and [d for d, *_ in seen] == [1, 2] and {t for _, t, _ in seen} == {len(steps)}
     engine.start()
     try:
         for _ in range(200):
             if engine.deferred == 0 and len(seen) == len(steps):
                 break
             time.sleep(0.01)
-        assert seen[-2:] == [(4, 5, "dispatch of 2 rows"), (5, 5, "dispatch of 4 rows")]
+        assert seen[2:] == [(3, 5, "dispatch of 2 rows"), (4, 5, "dispatch of 4 rows"), (5, 5, "dispatch of 8 rows")]
     finally:
         engine.shutdown()
