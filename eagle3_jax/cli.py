@@ -440,7 +440,8 @@ def _serve_common(p):
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS, help="target attention (as for generate)")
     p.add_argument("--max-batch", type=_number(int, "max-batch", lo=1), default=8, help="slots decoded together")
     p.add_argument("--max-queue", type=_number(int, "max-queue", lo=0), default=64,
-                   help="requests waiting for a slot before new ones get 429")
+                   help="requests that may wait beyond the free slots before new ones get 429 (0: no waiting line, "
+                        "a request is taken only into a free slot)")
     p.add_argument("--max-len", type=_number(int, "max-len", lo=2), default=None,
                    help="tokens per slot, prompt included (default: the target's max_position_embeddings, at most 4096)")
     p.add_argument("--rounds-per-dispatch", type=_number(int, "rounds-per-dispatch", lo=1), default=16,
