@@ -544,30 +544,35 @@ def run_load(server: Server):
 
 
 def run_queue(cache: Path, logs: Path):
-    """``--max-queue`` counts the requests waiting beyond the free slots."""
-    long = completion(prompt=[17, 301, 55, 808, 9], max_tokens=None, temperature=2.0, top_k=0)
+    """``--max-queue`` counts the requests waiting beyond the free slots: long streamed requests
+    fill the slots and the queue exactly (all taken), then one more is refused."""
+    long = completion(prompt=[17, 301, 55, 808, 9], max_tokens=None, temperature=2.0, top_k=0, stream=True)
 
-    async def burst(url, n, seed0=0):
+    async def fill_then_one_more(url: str, n: int):
+        """(the statuses of ``n`` long streamed requests, the response to one more sent while
+        ``/health`` shows all ``n`` running or waiting); a fill that ended first is tried again."""
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as c:
-            return await asyncio.gather(*(c.post(COMPLETIONS, json={**long, "seed": seed0 + i}) for i in range(n)),
-                                        return_exceptions=True)
+            for attempt in range(5):
+                async with contextlib.AsyncExitStack() as held:
+                    fills = [await held.enter_async_context(c.stream("POST", COMPLETIONS,
+                                                                     json={**long, "seed": 10 * attempt + i}))
+                             for i in range(n)]
+                    health = (await c.get("/health")).json()
+                    if health.get("running", 0) + health.get("waiting", 0) == n:
+                        return [f.status_code for f in fills], await c.post(COMPLETIONS, json=completion())
+        raise RuntimeError("no attempt held the slots and the queue full")
 
     with Server(cache, "--max-batch", "1", "--max-queue", "0", "--max-len", "256", log=logs / "queue0.log") as srv:
         r = post(srv, COMPLETIONS, completion())
         record("queue", "--max-batch 1 --max-queue 0: one request on an idle server", *judge_ok(srv, r))
-        answers = asyncio.run(burst(srv.url, 2))
-        codes = sorted(getattr(a, "status_code", 0) for a in answers)
-        refusal = next((a for a in answers if getattr(a, "status_code", 0) == 429), None)
-        ok = codes == [200, 429] and "--max-queue 0" in refusal.json()["error"]["message"]
-        record("queue", "--max-batch 1 --max-queue 0: two long requests at once", "clear error" if ok else "unclear",
-               str(codes))
+        fills, more = asyncio.run(fill_then_one_more(srv.url, 1))
+        record("queue", "--max-batch 1 --max-queue 0: a request while the slot is busy",
+               *judge_error(srv, more, 429, ["--max-queue 0"]) if fills == [200] else ("silent wrong", str(fills)))
     with Server(cache, "--max-batch", "2", "--max-queue", "1", "--max-len", "256", log=logs / "queue1.log") as srv:
-        codes = sorted(getattr(a, "status_code", 0) for a in asyncio.run(burst(srv.url, 3)))
+        fills, more = asyncio.run(fill_then_one_more(srv.url, 3))
         record("queue", "--max-batch 2 --max-queue 1: three long requests (slots and queue exactly full)",
-               "correct" if codes == [200] * 3 else "silent wrong", str(codes))
-        codes = sorted(getattr(a, "status_code", 0) for a in asyncio.run(burst(srv.url, 4, 10)))
-        record("queue", "--max-batch 2 --max-queue 1: four long requests (one too many)",
-               "clear error" if codes == [200, 200, 200, 429] else "unclear", str(codes))
+               "correct" if fills == [200] * 3 else "silent wrong", str(fills))
+        record("queue", "--max-batch 2 --max-queue 1: one more", *judge_error(srv, more, 429, ["--max-queue 1"]))
 
 
 # -- the command line -----------------------------------------------------------------------------
