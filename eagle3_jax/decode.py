@@ -477,6 +477,27 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
     B = prompt_BxT.shape[0]
     loop = _Loop(max_new, sampling, spec if drafter is not None else None, thinking, cache_shardings)
+    with _kernel_mesh(target, loop):
+        return _run_on(target, drafter, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
+                       round_cap, keep_stops, learned, max_len=max_len, max_new=max_new, stop_ids=stop_ids, loop=loop,
+                       phases=phases)
+
+
+def _kernel_mesh(target, loop: _Loop):
+    """For a target with a kernel attention, the mesh of the loop's caches as the tracing
+    context's (``jax.sharding.use_abstract_mesh``), where there is one: the kernels run per
+    device under ``shard_map`` over it (``pallas_kernels.tree_attention.per_device``)."""
+    layout = loop.cache_shardings[0]
+    if layout is None or target.attention_impl == "xla":
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh)
+
+
+def _run_on(target, drafter, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier, round_cap,
+            keep_stops, learned, *, max_len: int, max_new: int, stop_ids: tuple[int, ...], loop: _Loop,
+            phases: tuple[int, ...]):
+    B = prompt_BxT.shape[0]
+    spec, thinking = loop.spec, loop.thinking
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B))  # row b's key: fold_in(seed key, b)
     with jax.named_scope("prefill"):
         st = _prefill(target, drafter, prompt_BxT, lengths_B, keys, budget_B, phase_B, _stop_rows(stop_ids, B),
@@ -915,15 +936,18 @@ def lower_parts(target, drafter, *, batch: int, prompt_len: int, max_new_tokens:
         target_, drafter_ = nnx.merge(tgraph, tstate), None if dgraph is None else nnx.merge(dgraph, dstate)
         B = prompt_BxT.shape[0]
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(B))
-        st = _prefill(target_, drafter_, prompt_BxT, lengths_B, keys, budget_B, phase_B, _stop_rows(kw["stop_ids"], B),
-                      jnp.full((B,), kw["max_new"], jnp.int32), None, cache_len=kw["max_len"], loop=loop)
+        with _kernel_mesh(target_, loop):
+            st = _prefill(target_, drafter_, prompt_BxT, lengths_B, keys, budget_B, phase_B,
+                          _stop_rows(kw["stop_ids"], B), jnp.full((B,), kw["max_new"], jnp.int32), None,
+                          cache_len=kw["max_len"], loop=loop)
         return st if drafter_ is None else dataclasses.replace(st, ctl=policy.init(spec, round_ms_T, learned))
 
     def one_round(tier, tstate, dstate, st):
         target_, drafter_ = nnx.merge(tgraph, tstate), None if dgraph is None else nnx.merge(dgraph, dstate)
-        if tier is None:
-            return _vanilla_round(target_, st, loop)
-        return _spec_round(target_, drafter_, st, loop, tier)
+        with _kernel_mesh(target_, loop):
+            if tier is None:
+                return _vanilla_round(target_, st, loop)
+            return _spec_round(target_, drafter_, st, loop, tier)
 
     sds = jax.ShapeDtypeStruct
     B = req.prompt_BxT.shape[0]

@@ -231,13 +231,14 @@ DEFAULT_TAU = 3.0  # committed tokens per round assumed where no acceptance is r
 
 
 def _tiers(tcfg):
-    """The decode programs ``plan --topology`` compiles: (name, speculation or None)."""
+    """The decode loops ``plan --topology`` compiles: (name, speculation or None).  The adaptive
+    loop holds every tier's rounds (a chain's and a tree's loops alone are parts of it), so
+    its memory bounds theirs."""
     from eagle3_jax.speculation import Speculation
     from eagle3_jax.tree import TreeConfig
 
     chain, tree = TreeConfig.chain(4), TreeConfig()
-    return [("vanilla", None), ("chain 4", Speculation.fixed(chain)), ("tree 60,7,10", Speculation.fixed(tree)),
-            ("adaptive (none, chain 4, tree 60,7,10)", Speculation((None, chain, tree)))]
+    return [("vanilla", None), ("adaptive (none, chain 4, tree 60,7,10)", Speculation((None, chain, tree)))]
 
 
 def recorded_tau(cfg: dict) -> float | None:
@@ -280,8 +281,8 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     memory against the chip's HBM and its flops, bytes and roofline time, and the predicted
     milliseconds per vanilla step and per round of each tier with the speedup at ``tau``.
 
-    Programs: ``decode`` — ``generate``'s loop (vanilla, chain 4, the default tree, the
-    adaptive tiers) at ``regenerate.batch_size`` prompts of ``prompt_len`` tokens (default
+    Programs: ``decode`` — ``generate``'s loop (vanilla, and the adaptive policy over no
+    drafting, chain 4 and the default tree) at ``regenerate.batch_size`` prompts of ``prompt_len`` tokens (default
     ``seq_len // 2``) and ``regenerate.max_new_tokens``, and its prefill; ``slots`` — the
     server's dispatch over that many slots; ``fit`` — the training step at ``fit.batch_size``
     x ``seq_len``.  A loop's cost analysis counts its body once, so the step and round costs
@@ -316,8 +317,8 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     note = progress or (lambda name: None)
     compiled: list = []
 
-    def models(tc, *, unroll=False):
-        target = nnx.eval_shape(lambda: target_mod.Target(tc, dtype=dtype, attention_impl=attention_impl,
+    def models(tc, *, unroll=False, attention=attention_impl):
+        target = nnx.eval_shape(lambda: target_mod.Target(tc, dtype=dtype, attention_impl=attention,
                                                           unroll_layers=unroll))
         drafter = nnx.eval_shape(lambda: drafter_mod.Drafter(
             dcfg, jnp.zeros((tc.vocab_size, tc.hidden_size), dtype), dtype=dtype))
@@ -359,7 +360,7 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
             speculation=adaptive)))
     if "fit" in programs:
         def fit_lowered(tc, fit_cfg, rows, *, unroll=False):
-            t, d = models(tc, unroll=unroll)
+            t, d = models(tc, unroll=unroll, attention="xla")  # the target runs whole sequences, uncached
             tgraph, tstate = nnx.split(t)
             tstate = sharding.place(tstate, target_mod.declare(tc), tmesh)
             dgraph, params, frozen = nnx.split(d, nnx.Param, ...)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 
 def tree_attention_ref(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
@@ -193,6 +194,12 @@ def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_n
     return rows_to_tokens(out, T)
 
 
+# The most new tokens per sequence the TPU kernel takes: its query rows (G·T of a KV head) and
+# the tree mask live in VMEM, which a tree or a decode step fits and a prefill does not (a
+# 1024-token prefill of Llama-3.1-8B asked 137 MiB of v5e's 128 MiB): those use the reference.
+MAX_NEW = 64
+
+
 def _is_hopper(device) -> bool:  # WGMMA exists on sm_90 only (not Ampere, not Blackwell)
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
@@ -203,7 +210,7 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
 
     ``interpret=None`` picks the compiled kernel for ``platform``, a lowering platform
     (``"tpu"``, ``"cuda"``, ...; default: the default device's): the Mosaic TPU kernel for a
-    TPU; the Mosaic GPU kernel for CUDA, where the attached GPU, if any, is a Hopper (the
+    TPU, for at most ``MAX_NEW`` new tokens per sequence; the Mosaic GPU kernel for CUDA, where the attached GPU, if any, is a Hopper (the
     kernel is sm_90a code), for bfloat16/float16 (WGMMA has no exact float32), head_dim
     64/128, at most ``MAX_NEW`` new tokens per sequence (``new_tokens``: a tree or a decode
     step; a prefill does not fit its shared memory) and a cache of ``cache_len`` slots it can
@@ -222,7 +229,7 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
     device = jax.devices()[0]
     platform = platform or {"gpu": "cuda"}.get(device.platform, device.platform)
     if platform == "tpu":
-        return tree_attention
+        return tree_attention if new_tokens <= MAX_NEW else None
     attached_hopper = device.platform != "gpu" or _is_hopper(device)  # no GPU attached: compiling for one
     if platform == "cuda" and attached_hopper and mgpu.supports(dtype, head_dim, new_tokens, cache_len):
         return mgpu.tree_attention_mgpu
@@ -244,6 +251,35 @@ def attention(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, scale
     if interpret is not None:
         kernel = pick()
         return reference(*args) if kernel is None else kernel(*args, scale=scale, layer=layer)
-    branches = {p: functools.partial(kernel, scale=scale, layer=layer)
+    branches = {p: per_device(functools.partial(kernel, scale=scale), q, k_cache, layer)
                 for p in ("tpu", "cuda") if (kernel := pick(platform=p)) is not None}
     return jax.lax.platform_dependent(*args, default=reference, **branches)
+
+
+def per_device(kernel, q_BxTxNxD, k_cache, layer):
+    """``kernel`` as a function of ``attention``'s seven arrays, run on each device's block
+    under ``jax.shard_map`` where a mesh of several devices is set
+    (``jax.sharding.get_abstract_mesh()``: the decode loop sets its cache's): XLA cannot
+    partition a Mosaic kernel.  The blocks are the cache's layout (``kv_cache.layout``: the
+    batch over the batch axes, KV heads over ``tensor`` where they divide); the query rows and
+    new keys follow it, so each device's queries meet their own KV heads."""
+    from eagle3_jax import kv_cache  # noqa: PLC0415 - the core's cache layout, not needed without a mesh
+
+    mesh = jax.sharding.get_abstract_mesh()
+    stacked = layer is not None
+    if mesh.empty or mesh.size == 1:
+        return lambda *args: kernel(*args, layer=layer)
+    spec = tuple(kv_cache.layout(k_cache.shape if stacked else (1, *k_cache.shape), mesh).spec)
+    batch, heads = (spec + (None,) * (5 - len(spec)))[1:4:2]  # query heads split as their KV heads (N = G·K)
+    rows, tokens = P(batch), P(batch, None, heads, None)
+    cache = P(None, batch, None, heads, None) if stacked else P(batch, None, heads, None)
+    in_specs = (tokens, cache, cache, rows, tokens, tokens, rows)
+
+    if stacked:
+        def local(q, kc, vc, prefix, kn, vn, mask, layer_):
+            return kernel(q, kc, vc, prefix, kn, vn, mask, layer=layer_)
+
+        mapped = jax.shard_map(local, in_specs=in_specs + (P(),), out_specs=tokens, check_vma=False)
+        return lambda *args: mapped(*args, jnp.asarray(layer, jnp.int32))
+    return jax.shard_map(lambda *args: kernel(*args, layer=None), in_specs=in_specs, out_specs=tokens,
+                         check_vma=False)

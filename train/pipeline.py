@@ -53,6 +53,7 @@ DEFAULTS = {
     "drafter": {"init": None, "seed": 0},
     "fit": {},                 # eagle3_jax.train.trainer.FitConfig fields (its defaults)
     "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+    "topology": "",            # the TPU slice the config is meant for, e.g. v6e:2x4 (plan --topology's default)
     "export_dir": None,        # default: work_dir/export
 }
 
