@@ -23,7 +23,7 @@ def _records(n=24, T=20, seed=0):
 
 def test_mesh_step_equals_single_device(tmp_path):
     script = textwrap.dedent(f"""
-        import sys, numpy as np, jax
+        import dataclasses, sys, numpy as np, jax
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         import eagle3_jax
         from eagle3_jax.sharding import make_mesh
@@ -36,16 +36,27 @@ def test_mesh_step_equals_single_device(tmp_path):
         out = {{}}
         # the 8-device mesh as jax.make_mesh makes it (Explicit axes by default), which the trainer takes as Auto
         explicit = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
-        for name, mesh in (("single", make_mesh(1, 1, 1, devices=jax.devices()[:1])), ("mesh", explicit)):
+        # "micro": two micro-batches of 4 rows, each split over the mesh's 4 batch shards
+        for name, mesh, micro in (("single", make_mesh(1, 1, 1, devices=jax.devices()[:1]), 1), ("mesh", explicit, 1),
+                                  ("micro", explicit, 2)):
             drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
-            tr = Trainer(target, drafter, _records(), cfg, work_dir={str(tmp_path)!r} + "/" + name, mesh=mesh)
+            tr = Trainer(target, drafter, _records(), dataclasses.replace(cfg, micro_batches=micro),
+                         work_dir={str(tmp_path)!r} + "/" + name, mesh=mesh)
             losses = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(2)]
-            if name == "mesh":
+            if name != "single":
                 assert len(tr.params["wq"][...].sharding.device_set) > 1  # really sharded
             out[name] = (losses, jax.device_get(tr.params))
-        np.testing.assert_allclose(out["single"][0], out["mesh"][0], rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(out["single"][1]), jax.tree.leaves(out["mesh"][1])):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # Adam amplifies reduction-order noise on ~0 grads
+        for name in ("mesh", "micro"):
+            np.testing.assert_allclose(out["single"][0], out[name][0], rtol=1e-5)
+            for a, b in zip(jax.tree.leaves(out["single"][1]), jax.tree.leaves(out[name][1])):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # Adam amplifies reduction-order noise on ~0 grads
+        try:  # a micro-batch of 2 rows cannot split over 4 batch shards
+            Trainer(target, eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target), _records(),
+                    dataclasses.replace(cfg, micro_batches=4),
+                    work_dir={str(tmp_path)!r} + "/refused", mesh=explicit)
+            raise AssertionError("not refused")
+        except ValueError as e:
+            assert "fit.micro_batches=4" in str(e), e
         print("ok", out["mesh"][0])
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",

@@ -8,6 +8,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax import layers
 from helpers import FIXTURES
+from eagle3_jax.train.trainer import target_head
 from eagle3_jax.train.ttt import ttt_loss
 
 
@@ -65,18 +66,21 @@ def _reference(drafter, feats, ids, tlogits, lmask, length, w=0.8):
     return total, np.array(losses), np.array(accs)
 
 
-@pytest.mark.parametrize("length", [1, 4])
-def test_ttt_matches_brute_force(length):
+@pytest.mark.parametrize("length, chunk, remat", [(1, 256, True), (4, 256, False), (4, 4, True), (3, 1, False)])
+def test_ttt_matches_brute_force(length, chunk, remat):
+    """The loss from the target's hidden, in sequence chunks (4 does not divide T = 11: a
+    padded last chunk) and with each step rematerialised or not, equals the loop."""
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     rng = np.random.default_rng(length)
     B, T = 2, 11
     ids = rng.integers(0, 1024, size=(B, T))
     feats = rng.normal(size=(B, T, 384)).astype(np.float32) * 3
-    tlogits, _ = target.features(ids)
-    tlogits = np.asarray(tlogits) * 4  # sharper labels: argmax often inside the draft vocab
+    hidden = target.trunk(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(T), (B, T)))[0] * 4  # sharper labels:
+    tlogits = np.asarray(target.head(hidden))  # the argmax often inside the draft vocab
     lmask = rng.random((B, T)) < 0.8
-    loss, metrics = jax.jit(lambda *a: ttt_loss(drafter, *a, length=length))(feats, ids, tlogits, lmask)
+    loss, metrics = jax.jit(lambda *a: ttt_loss(drafter, *a, length=length, chunk=chunk, remat=remat))(
+        feats, ids, hidden, target_head(target), lmask)
     want_total, want_losses, want_accs = _reference(drafter, feats, ids, tlogits, lmask, length)
     np.testing.assert_allclose(np.asarray(metrics["loss_s"]), want_losses, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(float(loss), want_total, rtol=2e-4)

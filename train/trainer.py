@@ -30,7 +30,7 @@ from eagle3_jax import sharding
 from eagle3_jax.checkpoint import save_drafter
 from eagle3_jax.models import drafter as drafter_mod, target as target_mod
 from eagle3_jax.train import data
-from eagle3_jax.train.ttt import ttt_loss
+from eagle3_jax.train import ttt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,10 @@ class FitConfig:
     log_every: int = 10
     offline: bool = False  # run the target once over the data, cache its outputs on disk, train from the cache
     buckets: tuple[int, ...] = ()  # length buckets (batches cut to their bucket's length); () = one of seq_len
+    # memory of the fit step (none changes the losses beyond float rounding):
+    micro_batches: int = 1  # the batch run in this many slices inside the step, gradients summed (batch_size divides)
+    loss_chunk: int = 256  # sequence positions per chunk of the vocabulary-sized logits and losses
+    remat: bool = True  # recompute each TTT step's layer in the backward pass (less memory, more compute)
 
     def __post_init__(self):
         """Type- and range-checks every field (errors name it ``fit.<field>``); ints given
@@ -68,6 +72,8 @@ class FitConfig:
             if problem:
                 raise ValueError(f"fit.{f.name}={value!r}: {problem}")
             object.__setattr__(self, f.name, value)
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"fit.micro_batches={self.micro_batches}: must divide fit.batch_size={self.batch_size}")
 
 
 KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
@@ -77,7 +83,8 @@ KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false"
 FIT_LIMITS = {"steps": (">=", 1), "batch_size": (">=", 1), "lr": (">", 0), "warmup_steps": (">=", 0),
               "end_lr_ratio": (">=", 0), "ttt_length": (">=", 1), "step_weight": (">", 0), "clip_norm": (">", 0),
               "compute_dtype": ("in", ("float32", "bfloat16", "float16")), "seed": (">=", 0), "save_every": (">=", 1),
-              "keep": (">=", 1), "log_every": (">=", 1), "buckets": (">=", 1)}
+              "keep": (">=", 1), "log_every": (">=", 1), "buckets": (">=", 1), "micro_batches": (">=", 1),
+              "loss_chunk": (">=", 1)}
 
 
 def _is_kind(value, kind) -> bool:
@@ -105,6 +112,98 @@ def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
                                                   end_value=cfg.lr * cfg.end_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
+
+
+def target_head(target):
+    """The target's output projection ``[H, V]`` as :meth:`Target.head` applies it (the
+    embedding transposed when tied)."""
+    return target.embed[...].T if target.lm_head is None else target.lm_head[...]
+
+
+def fit_step_fn(tgraph, dgraph, cfg: FitConfig, opt: optax.GradientTransformation | None = None,
+                param_shardings=None):
+    """The fit step, pure: ``step(params, opt_state, frozen, tstate, input_ids, loss_mask,
+    feats=None, hidden=None) -> (params, opt_state, metrics)``, one TTT + AdamW update on a
+    global batch, to be jitted (the trainer donates ``params`` and ``opt_state``).  It needs
+    no trainer and no data: lowering it on ``jax.ShapeDtypeStruct`` s compiles it.
+
+    Its arguments, from the modules: ``tgraph, tstate = nnx.split(target)``;
+    ``dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)``; ``opt_state =
+    opt.init(params)`` (``opt``: default :func:`optimizer` of ``cfg``); ``input_ids``
+    int32 ``[B, T]``; ``loss_mask`` bool ``[B, T]``; offline (``cfg.offline``) also the
+    target's fused features ``feats [B, T, 3H]`` and final-normed ``hidden [B, T, H]``,
+    which otherwise the frozen target computes inside the step.  ``param_shardings``: the
+    params' shardings (a tree like ``params``), kept by the updated params and the
+    gradient accumulators; None leaves them to the compiler.  ``metrics``: see
+    :func:`eagle3_jax.train.ttt.ttt_metrics`.
+
+    Memory (none of it changes the loss beyond float rounding): the batch runs in
+    ``cfg.micro_batches`` slices, micro-batch ``m`` taking rows ``m, m + M, ...`` so that
+    every batch shard holds rows of each.  A first pass (``lax.map``) runs the target on
+    each slice and finds where its argmax is in the draft vocabulary, which fixes each TTT
+    step's loss normaliser for the whole batch; a ``lax.scan`` then sums each slice's
+    gradients of the normalised loss, so ``micro_batches=k`` gives the full batch's loss and
+    gradients.  Logits and losses over the vocabulary are made ``cfg.loss_chunk`` positions
+    at a time; ``cfg.remat`` recomputes each TTT step's layer in the backward pass (see
+    :func:`eagle3_jax.train.ttt.ttt_sums`).  ``cfg.compute_dtype`` casts the float params
+    for the forward pass; logits and losses accumulate in float32 whatever it is."""
+    opt = optimizer(cfg) if opt is None else opt
+    M = cfg.micro_batches
+
+    def split(x_BxX):
+        """``[B, ...]`` → ``[M, B/M, ...]``: micro-batch ``m`` holds rows ``m, m + M, ...``."""
+        return jnp.swapaxes(x_BxX.reshape(x_BxX.shape[0] // M, M, *x_BxX.shape[1:]), 0, 1)
+
+    def step(params, opt_state, frozen, tstate, input_ids, loss_mask, feats=None, hidden=None):
+        target = nnx.merge(tgraph, tstate)
+        vocab_map = nnx.merge(dgraph, params, frozen)  # its draft-vocabulary map only (not differentiated)
+        head_HxV = jax.lax.stop_gradient(target_head(target))
+        label_head_HxVd = ttt.draft_head(vocab_map, head_HxV)
+        T = input_ids.shape[1]
+
+        def in_vocab(hidden_BxTxH):
+            return ttt.in_draft_vocab(vocab_map, hidden_BxTxH, head_HxV, chunk=cfg.loss_chunk)
+
+        def target_pass(ids_BxT):
+            hidden_BxTxH, feats_BxTx3H, _ = target.trunk(ids_BxT, jnp.broadcast_to(jnp.arange(T), ids_BxT.shape))
+            return jax.lax.stop_gradient((feats_BxTx3H, hidden_BxTxH)), in_vocab(hidden_BxTxH)
+
+        ids_MxBxT, mask_MxBxT = split(input_ids), split(loss_mask)
+        if feats is None:  # online: the frozen target runs inside the step
+            (feats_M, hidden_M), in_vocab_MxBxT = jax.lax.map(target_pass, ids_MxBxT)
+        else:
+            feats_M, hidden_M = split(feats), split(hidden)
+            in_vocab_MxBxT = jax.lax.map(in_vocab, hidden_M)
+        count_L, predicted_L = ttt.step_counts(mask_MxBxT.reshape(-1, T), in_vocab_MxBxT.reshape(-1, T), cfg.ttt_length)
+
+        def loss_fn(p, xs):
+            feats_BxTx3H, hidden_BxTxH, ids_BxT, mask_BxT, in_vocab_BxT = xs
+            if cfg.compute_dtype != "float32":
+                p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+            drafter = nnx.merge(dgraph, p, frozen)
+            sums = ttt.ttt_sums(drafter, feats_BxTx3H, ids_BxT, hidden_BxTxH, label_head_HxVd, mask_BxT, in_vocab_BxT,
+                                length=cfg.ttt_length, chunk=cfg.loss_chunk, remat=cfg.remat)
+            return ttt.weighted_loss(sums[0], count_L, cfg.step_weight), sums
+
+        def micro_batch(carry, xs):
+            grads, sums = carry
+            (_, micro_sums), micro_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xs)
+            return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums)), None
+
+        grads = jax.tree.map(jnp.zeros_like, params)
+        if param_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        zeros_L = jnp.zeros((cfg.ttt_length,), jnp.float32)
+        (grads, (ce_sum_L, hit_L)), _ = jax.lax.scan(
+            micro_batch, (grads, (zeros_L, zeros_L)), (feats_M, hidden_M, ids_MxBxT, mask_MxBxT, in_vocab_MxBxT))
+        _, metrics = ttt.ttt_metrics(ce_sum_L, hit_L, count_L, predicted_L, cfg.step_weight)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if param_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
+        return params, opt_state, metrics
+
+    return step
 
 
 def cache_target_outputs(target, records: dict, directory: Path, batch_size: int = 8) -> dict:
@@ -181,6 +280,15 @@ class Trainer:
         self.cfg = cfg
         self.work_dir = Path(work_dir)
         self.mesh = sharding.make_mesh(data=-1) if mesh is None else sharding.auto_mesh(mesh)
+        axes = sharding.batch_sharding(self.mesh, 1).spec[0] or ()
+        shards = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        if cfg.batch_size % shards:
+            raise ValueError(f"fit.batch_size={cfg.batch_size} is not divisible by the {shards} batch shards "
+                             f"of the mesh {dict(self.mesh.shape)}")
+        if cfg.batch_size // cfg.micro_batches % shards:
+            raise ValueError(f"fit.micro_batches={cfg.micro_batches}: a micro-batch of {cfg.batch_size // cfg.micro_batches} "
+                             f"rows (fit.batch_size / fit.micro_batches) is not divisible by the {shards} batch shards "
+                             f"of the mesh {dict(self.mesh.shape)}")
         self.records = records
         self.seq_len = records["input_ids"].shape[1]
         self.opt = optimizer(cfg)
@@ -197,18 +305,14 @@ class Trainer:
             lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
             jax.jit(self.opt.init)(self.params))
         self.step = 0
-        axes = sharding.batch_sharding(self.mesh, 1).spec[0] or ()
-        shards = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-        if cfg.batch_size % shards:
-            raise ValueError(f"fit.batch_size={cfg.batch_size} is not divisible by the {shards} batch shards "
-                             f"of the mesh {dict(self.mesh.shape)}")
         self.cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else {}
         self.data_iter = data.dataset(records, batch_size=cfg.batch_size, seed=cfg.seed, buckets=tuple(cfg.buckets))
         self.ckpt = ocp.CheckpointManager(
             (self.work_dir / "ckpt").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
         opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self._train_step = jax.jit(self._step, donate_argnums=(0, 1),  # the metrics: whole on every process
+        step = fit_step_fn(self.tgraph, self.dgraph, cfg, self.opt, self.param_shardings)
+        self._train_step = jax.jit(step, donate_argnums=(0, 1),  # the metrics: whole on every process
                                    out_shardings=(self.param_shardings, opt_shardings, replicated))
         self.best = {"sim_accept_len": -1.0, "step": None}
 
@@ -224,27 +328,6 @@ class Trainer:
         return jax.tree_util.tree_map_with_path(put, state)
 
     # ------------------------------------------------------------------ step
-    def _step(self, params, opt_state, frozen, tstate, input_ids, loss_mask, feats=None, hidden=None):
-        cfg = self.cfg
-        target = nnx.merge(self.tgraph, tstate)
-        if feats is None:  # online: the frozen target runs inside the step
-            pos = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-            hidden, feats, _ = target.trunk(input_ids, pos)
-        logits = jax.lax.stop_gradient(target.head(hidden))
-        feats = jax.lax.stop_gradient(feats)
-
-        def loss_fn(p):
-            if cfg.compute_dtype != "float32":
-                p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-            drafter = nnx.merge(self.dgraph, p, frozen)
-            return ttt_loss(drafter, feats, input_ids, logits, loss_mask, length=cfg.ttt_length, step_weight=cfg.step_weight)
-
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = self.opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        params = jax.lax.with_sharding_constraint(params, self.param_shardings)
-        return params, opt_state, metrics
-
     def train_step(self, batch):
         """One optimizer step on a global batch ``{input_ids, loss_mask}`` (with ``rows``
         in offline mode), the same on every process, as ``data_iter`` yields it; each
