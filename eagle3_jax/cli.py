@@ -85,7 +85,8 @@ def _tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-BUILTIN_PROMPTS = 64  # the bench's and the experiment's default share of the built-in eval set (16 per family)
+BUILTIN_PROMPTS = 64  # the bench's default share of the built-in eval set (16 per family)
+EXPERIMENT_PROMPTS = 32  # the experiment's (8 per family): its default run, 3 timed repeats, fits 20 minutes on 2 cores
 
 
 def _load_pair(args):
@@ -319,7 +320,7 @@ def _cmd_experiment(args) -> int:
     if args.prompts:
         prompts = load_prompts(args.prompts, target.config.vocab_size, tok)[: args.num_prompts]
     elif is_builtin:
-        tasks = builtin.eval_tasks()[: args.num_prompts or BUILTIN_PROMPTS]
+        tasks = builtin.eval_tasks()[: args.num_prompts or EXPERIMENT_PROMPTS]
         prompts = [_encode(tok, t["prompt"]) for t in tasks]
         scorer = builtin.Scorer(target, tok, tasks)
         grade, details, categories = scorer.grade, scorer.details, [t["family"] for t in tasks]
@@ -342,7 +343,8 @@ def _cmd_experiment(args) -> int:
     report = run_experiment(target, drafter, tok, prompts, grade=grade, categories=categories, details=details,
                             batch_size=args.batch_size,
                             max_new_tokens=_max_new_tokens(args, is_builtin), sampled_temperature=args.sampled_temperature or None,
-                            seed=args.seed, out_dir=out, **kw)
+                            seed=args.seed, repeats=args.repeats, keep_policy_state=args.keep_policy_state,
+                            out_dir=out, **kw)
     print("\n".join(report["summary"]))
     print(f"wrote {out}/report.md, report.json, quality_tokens_latency.png and budget_heatmap.png"
           + (" and goodput_vs_rate.png" if "step3" in report else ""))
@@ -853,7 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--prompts", type=_path,
                      help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
     exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
-                     help=f"first N prompts (default: all --prompts, or the built-in eval set's first {BUILTIN_PROMPTS})")
+                     help=f"first N prompts (default: all --prompts, or the built-in eval set's first {EXPERIMENT_PROMPTS})")
     exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
     exp.add_argument("--sampled-temperature", type=temperature, default=0.7,
                      help="also compare sampled accuracy at this temperature (0: greedy only)")
@@ -863,6 +865,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "none: skip step 3)")
     exp.add_argument("--replay-requests", type=_number(int, "replay-requests", lo=1), default=24,
                      help="requests per mode and rate in step 3")
+    exp.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=3,
+                     help="timed passes of steps 1 and 2, the rows taking turns (default 3): each timing is the median "
+                          "with its min-max")
+    exp.add_argument("--keep-policy-state", action="store_true",
+                     help="carry the adaptive policy's learned state from call to call in the order run (default: "
+                          "reset before each row and repeat)")
     exp.add_argument("--out", type=_path, default="experiment", help="report directory (report.md, report.json, figures)")
     exp.set_defaults(func=_cmd_experiment)
 

@@ -4,12 +4,35 @@ speculative budget K does to execution, reported apart.
 * Step 1 — speculation off, B swept: accuracy, thinking and answer tokens, time to first
   token, time per output token, end-to-end latency, budget-exhausted and incomplete rates.
 * Step 2 — at each chosen B: vanilla vs each static tier vs the adaptive policy: proposed
-  nodes per round, τ per phase, accepted / committed tokens, time per output token, tokens/s,
-  peak memory; greedy token identity with vanilla and, sampled, accuracy agreement
-  (two-proportion z).
+  nodes per round, τ per phase, accepted / committed tokens, the rounds of each tier, time per
+  output token, tokens/s, peak memory; greedy token identity with vanilla and, sampled,
+  accuracy agreement (two-proportion z).
 * Step 3 — under load: the arrival-rate replay (``eagle3_jax.serve.replay``) against a
   loopback server per mode: goodput, TTFT/TPOT percentiles and the rate where speculation
   stops paying (``goodput_vs_rate.png``).
+
+Figures a reader can trust (DESIGN.md):
+
+* **Timing with its spread.**  Every timed row of steps 1 and 2 runs ``repeats`` times, the
+  rows of a step taking turns batch by batch in an order that rotates each repeat, so that a
+  slow spell of a shared machine falls on every row alike.  Each timed figure is the median
+  over the repeats with its min–max (``row["timing"]``); a speedup pairs a mode with vanilla at
+  the same B in the same repeat.  The summary states a speedup (a cut in execution time) only
+  with its interval, and says "no measurable difference" where that interval holds 1 or where
+  another mode's overlaps the best one's.
+* **Counts that reconcile.**  A row's counts are those of its timed calls (no warm-up,
+  measuring or first-token calls) in the repeat at the median time (``per_repeat`` lists each
+  repeat's).  A speculative row's committed tokens are its prompts' first tokens (made by the
+  prefill) + Σ over tiers of that tier's drafted rounds × its tokens per round (``tier_rounds``,
+  ``tier_tokens_per_round``) + ``forced_less_dropped``: what the forced rounds committed (the
+  end of thinking, under B) less the tokens a round accepted past a stop or the length limit.
+  Forced rounds are counted apart, in ``forced_rounds`` and ``forced_tier_rounds``.
+* **Time that matches the rounds.**  Each repeat measures what a round of each mode's tiers
+  costs (``cost.forced_rounds`` on the first batch, greedy), and a row's time is compared with
+  its calls' first-token time + its loop rounds × those costs (``predicted_seconds``).
+* **The policy's state said.**  The adaptive policy is handed the repeat's round costs, and
+  what it learned is reset before each row and repeat (within one, it carries from batch to
+  batch); with ``keep_policy_state`` it carries from call to call in the order run instead.
 
 With ``categories`` (e.g. the built-in pair's task families) every figure of steps 1 and 2 is
 also reported per category, each category's prompts run in batches of their own (so τ per
@@ -17,25 +40,35 @@ category is measured, not apportioned).
 
 ``run_experiment`` writes ``report.json``, ``report.md`` and two figures into ``out_dir``:
 ``quality_tokens_latency.png`` (the curves over B) and ``budget_heatmap.png`` (speedup and τ
-over B × K).  Latencies are per request at the given batch size, compilation and each
-program's first run excluded (``generate``'s ``warm_up``); TTFT is the request's own compiled
-program stopped after the prefill (its first token), timed just before the full call.
+over B × K), each as soon as its step is done: every output path is checked before the first
+step, the report is rewritten whole (never in part) after each step, and a report that cannot
+be written is printed instead (the run then ends in an ``OSError`` naming it).  Latencies are
+per request at the given batch size, compilation and each program's first run excluded
+(``generate``'s ``warm_up``); TTFT is the request's own compiled program stopped after the
+prefill (its first token), timed just before the full call.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
+from eagle3_jax import speculation as policy
 from eagle3_jax.bench import category_groups, peak_memory, two_proportion_z
+from eagle3_jax.checkpoint import check_output_path
+from eagle3_jax.cli import write_atomic
 from eagle3_jax.decode import generate, keep_compiled
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
 UNLIMITED = "unlimited"
+TIMED = ("seconds", "tokens_per_second", "ttft_ms", "tpot_ms", "e2e_ms")  # each with its spread over the repeats
+STEP = "step"  # vanilla's one "tier": a target step
+QUALITY_FIGURE, HEATMAP = "quality_tokens_latency.png", "budget_heatmap.png"
 
 
 def _label(b) -> str:
@@ -46,28 +79,122 @@ def _mode_name(mode) -> str:
     return "vanilla" if mode is None else "adaptive" if isinstance(mode, Speculation) else tier_name(mode)
 
 
-def _run(target, drafter, prompts, groups, *, budget, mode, batch_size, max_new_tokens, temperature, seed, tokenizer):
-    """All prompts under one (B, K), each category's in batches of its own: per-request
-    tokens and latencies (in prompt order) and the statistics of each batch (``chunks``:
-    category, prompt indices, stats)."""
+def _tiers(mode) -> tuple:
+    """A mode's tiers: ``TreeConfig`` s and ``None`` (vanilla: one, ``None``)."""
+    return mode.tiers if isinstance(mode, Speculation) else (mode,)
+
+
+def _tier_names(mode) -> list[str]:
+    return [STEP] if mode is None else [tier_name(t) for t in _tiers(mode)]
+
+
+def _new_run(n: int) -> dict:
+    """One pass of a row over the ``n`` prompts: per-request outputs (in prompt order) and each
+    batch's statistics (``chunks``: category, prompt indices, stats)."""
+    return {**{k: [None] * n for k in ("tokens", "thinking", "answer", "status", "ttft", "e2e")}, "chunks": []}
+
+
+def _call(run: dict, target, drafter, prompts, cat, ids, *, budget, mode, max_new_tokens, temperature, seed, tokenizer,
+          round_ms=None, timed: bool = True):
+    """One batch (``ids``) of one row into ``run``; ``round_ms``: the adaptive policy's round
+    costs; ``timed``: the first token timed too and the program's first run left out
+    (``generate``'s ``time_first_token`` and ``warm_up``)."""
     kw = dict(tokenizer=tokenizer, thinking_budget=budget, temperature=temperature, seed=seed)
     if mode is not None:
         kw["speculation"] = mode
-    d = None if mode is None else drafter
-    n = len(prompts)
-    out = {k: [None] * n for k in ("tokens", "thinking", "answer", "status", "ttft", "e2e")}
-    out["chunks"] = []
-    for cat, idx in groups.items():
-        for j in range(0, len(idx), batch_size):
-            ids = idx[j:j + batch_size]
-            chunk = [prompts[i] for i in ids]
-            res = generate(target, d, chunk, max_new_tokens=max_new_tokens, time_first_token=True, warm_up=True, **kw)
-            for k, i in enumerate(ids):
-                out["tokens"][i], out["thinking"][i] = res.tokens[k], res.thinking_tokens[k]
-                out["answer"][i], out["status"][i] = res.answer_tokens[k], res.thinking_status[k]
-                out["ttft"][i], out["e2e"][i] = res.stats["first_token_seconds"], res.stats["seconds"]
-            out["chunks"].append((cat, ids, res.stats))
+    if isinstance(mode, Speculation):
+        kw["round_ms"] = round_ms
+    res = generate(target, None if mode is None else drafter, [prompts[i] for i in ids], max_new_tokens=max_new_tokens,
+                   time_first_token=timed, warm_up=timed, **kw)
+    for k, i in enumerate(ids):
+        run["tokens"][i], run["thinking"][i] = res.tokens[k], res.thinking_tokens[k]
+        run["answer"][i], run["status"][i] = res.answer_tokens[k], res.thinking_status[k]
+        run["ttft"][i], run["e2e"][i] = res.stats.get("first_token_seconds"), res.stats["seconds"]
+    run["chunks"].append((cat, ids, res.stats))
+
+
+def _round_costs(target, drafter, batch: list, modes, *, max_new_tokens: int, tokenizer, seed: int) -> dict:
+    """Milliseconds per round of each mode's tiers, ``{mode name: {tier name: ms}}`` (vanilla's
+    one tier is ``step``): each tier forced on ``batch`` for the rounds that make
+    ``max_new_tokens`` and for a quarter of them, on the program the mode's greedy rows run (B
+    is an argument of that program, not part of it); a round costs the difference of the two
+    calls over the difference in rounds, each the fastest of 3 (``cost.forced_rounds``), so
+    that what a call costs besides its rounds cancels out."""
+    from eagle3_jax.cost import forced_rounds
+    from eagle3_jax.decode import compile_generate
+
+    out = {}
+    for mode in modes:
+        kw = dict(tokenizer=tokenizer, seed=seed)
+        if mode is not None:
+            kw["speculation"] = mode
+        if isinstance(mode, Speculation):  # stand-in costs: the program's own measurement is not wanted here
+            kw["round_ms"] = [1.0] * len(mode.tiers)
+        program = compile_generate(target, None if mode is None else drafter, batch, max_new_tokens=max_new_tokens, **kw)
+        out[_mode_name(mode)] = {
+            name: forced_rounds([program], max_new_tokens, 1 if t is None else t.path_len, tier=i, parts=False)[0]["round_ms"]
+            for i, (name, t) in enumerate(zip(_tier_names(mode), _tiers(mode)))}
     return out
+
+
+def _policy_round_ms(costs: dict, mode: Speculation) -> list[float]:
+    """The adaptive policy's round costs, per tier, from ``_round_costs`` (a cost below the
+    timer's resolution, 0, taken as a microsecond: ``generate`` wants positive ones)."""
+    return [max(costs["adaptive"][name], 1e-3) for name in _tier_names(mode)]
+
+
+def _loop_rounds(run: dict, mode) -> dict:
+    """The rounds the loop of a run's calls ran, per tier (forced ones too; vanilla: its steps)."""
+    counts: collections.Counter = collections.Counter()
+    for _, ids, st in run["chunks"]:
+        if mode is None:  # a step per token after the prefill's, for the batch's longest answer
+            counts[STEP] += max(len(run["tokens"][i]) for i in ids) - 1
+        else:
+            counts.update(st["tier_per_round"])
+    return dict(counts)
+
+
+def _predicted_seconds(run: dict, mode, costs: dict) -> float:
+    """A run's time as its calls' first-token time + its loop rounds × the round costs."""
+    first = sum(st["first_token_seconds"] for _, _, st in run["chunks"])
+    per_round = costs[_mode_name(mode)]
+    return first + sum(n * per_round[t] for t, n in _loop_rounds(run, mode).items()) / 1e3
+
+
+def _tier_split(st: dict) -> tuple | None:
+    """One call's drafted rounds, their tokens (accepted + 1 each) and its forced rounds, per
+    tier (three ``Counter`` s).  A row decodes from the loop's first round until it ends, so its
+    j-th round is the loop's (``tier_per_round``); its rounds are its drafted thinking rounds,
+    then its forced ones (the end of thinking committed), then its drafted answer rounds.
+    ``None`` where forced rounds cannot be placed: a batch of several rows (the statistics
+    count them per batch, not per row)."""
+    tiers, accepts, forced = st["tier_per_round"], st["accept_lengths"], st["forced_rounds"]
+    if forced and len(accepts) > 1:
+        return None
+    rounds, tokens, forced_tiers = collections.Counter(), collections.Counter(), collections.Counter()
+    for b, acc in enumerate(accepts):
+        thought = len(st["phases"]["thinking"]["accept_lengths"][b]) if forced else len(acc)
+        drafted = tiers[:thought] + tiers[thought + forced: len(acc) + forced]
+        for t, a in zip(drafted, acc):
+            rounds[t] += 1
+            tokens[t] += a + 1
+        forced_tiers.update(tiers[thought: thought + forced])
+    return rounds, tokens, forced_tiers
+
+
+def _tier_counts(stats: list[dict], names: list[str], tokens: int, prompts: int) -> dict:
+    """The tier accounting of a row's calls (see the module doc; ``None`` values where
+    :func:`_tier_split` cannot place the forced rounds)."""
+    rounds, made, forced = collections.Counter(), collections.Counter(), collections.Counter()
+    for st in stats:
+        split = _tier_split(st)
+        if split is None:
+            return dict.fromkeys(("tier_rounds", "forced_tier_rounds", "tier_tokens_per_round", "forced_less_dropped"))
+        for total, part in zip((rounds, made, forced), split):
+            total.update(part)
+    return {"tier_rounds": {n: rounds[n] for n in names}, "forced_tier_rounds": {n: forced[n] for n in names},
+            "tier_tokens_per_round": {n: made[n] / rounds[n] if rounds[n] else None for n in names},
+            "first_tokens": prompts, "forced_less_dropped": tokens - prompts - sum(made.values())}
 
 
 def _grade(r: dict, grade, details):
@@ -126,7 +253,10 @@ def _summary_row(r: dict, cat=None) -> dict:
     return row
 
 
-def _speculation_row(stats: list[dict]) -> dict:
+def _speculation_row(stats: list[dict], mode, tokens: int, prompts: int) -> dict:
+    """A speculative row's round statistics over its calls' ``stats`` (``tokens`` committed for
+    ``prompts`` requests): rounds, τ overall and per phase, proposed per round, and the tier
+    accounting of :func:`_tier_counts`."""
     rounds = sum(sum(s["rounds"]) for s in stats)
     row = {"rounds": rounds, "proposed_per_round": sum(s["proposed"] for s in stats) / max(rounds, 1),
            "accepted": sum(s["accepted"] for s in stats), "committed": sum(s["committed"] for s in stats),
@@ -136,22 +266,101 @@ def _speculation_row(stats: list[dict]) -> dict:
         row[f"tau_{phase}"] = float(np.mean(acc) + 1) if acc else None
     acc = _pool(stats, "accept_lengths")
     row["tau"] = float(np.mean(acc) + 1) if acc else None
-    tiers: dict = {}
-    for s in stats:
-        for k, v in s.get("tier_rounds", {}).items():
-            tiers[k] = tiers.get(k, 0) + v
-    if tiers:
-        row["tier_rounds"] = tiers
+    row.update(_tier_counts(stats, _tier_names(mode), tokens, prompts))
     return row
+
+
+def _spread(values) -> dict:
+    """The median of ``values`` (one per repeat), their min and max, and the values."""
+    values = [float(v) for v in values]
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values), "values": values}
+
+
+def _timed_row(runs: list[dict], mode, costs: list[dict], cat=None) -> dict:
+    """One row (one category of it; ``None``: all prompts) over its repeats: each timed figure
+    the median with its spread (``timing``), the counts those of the repeat at the whole row's
+    median time (``median_repeat``, the lower middle one for an even number of repeats; greedy
+    output is the same in every repeat); for the whole row, each repeat's time beside its
+    rounds × that repeat's round costs (``per_repeat``)."""
+    per = [_summary_row(r, cat) for r in runs]
+    m = int(np.argsort([sum(st["seconds"] for st in _view(r)[1]) for r in runs], kind="stable")[(len(runs) - 1) // 2])
+    row = {**per[m], "median_repeat": m, "timing": {k: _spread([p[k] for p in per]) for k in TIMED}}
+    row.update({k: v["median"] for k, v in row["timing"].items()})
+    if mode is not None:
+        row.update(_speculation_row(_view(runs[m], cat)[1], mode, row["tokens"], row["prompts"]))
+    if cat is None:
+        row["per_repeat"] = []
+        for r, (run, p) in enumerate(zip(runs, per)):
+            rep = {"seconds": p["seconds"], "predicted_seconds": _predicted_seconds(run, mode, costs[r]),
+                   "loop_rounds": _loop_rounds(run, mode)}
+            if mode is not None:
+                spec = _speculation_row(_view(run)[1], mode, p["tokens"], p["prompts"])
+                rep.update({k: spec[k] for k in ("tau", "rounds", "forced_rounds", "tier_rounds", "forced_tier_rounds")})
+            row["per_repeat"].append(rep)
+        row["predicted_seconds"] = row["per_repeat"][m]["predicted_seconds"]
+    return row
+
+
+def _check_outputs(out_dir: Path, step3: bool) -> list[Path]:
+    """The files the run writes into ``out_dir``, each checked before any work (a directory in
+    a file's place, or no permission to write, fails now rather than after the steps)."""
+    check_output_path(out_dir, "out_dir", directory=True)
+    names = ["report.json", "report.md", QUALITY_FIGURE, HEATMAP] + (["goodput_vs_rate.png"] if step3 else [])
+    return [check_output_path(out_dir / name, "output") for name in names]
+
+
+def _save(report: dict, out_dir: Path, failed: dict, figures=()):
+    """Writes ``report.json`` and ``report.md``, each whole or not at all (``write_atomic``),
+    then ``figures`` (``(draw, file name)`` pairs); a report file that cannot be written is
+    printed on stdout instead, and every failure is kept in ``failed`` (file name → error)
+    for the end of the run."""
+    for name, text in (("report.json", json.dumps(report, indent=2) + "\n"), ("report.md", _markdown(report))):
+        try:
+            write_atomic(out_dir / name, text)
+            failed.pop(name, None)
+        except OSError as e:
+            print(text, flush=True)
+            failed[name] = e
+    for draw, name in figures:
+        try:
+            draw(report, out_dir / name)
+            failed.pop(name, None)
+        except OSError as e:
+            failed[name] = e
+
+
+def _step2_rows(runs: dict, costs: list, b, modes: list, cats: list, accuracy: dict) -> dict:
+    """Step 2's rows at budget ``b`` from each (B, mode)'s timed runs (and, in ``accuracy``,
+    its sampled run): identity with vanilla's tokens, the speedup paired repeat by repeat with
+    vanilla's (its median and spread), the sampled accuracy against vanilla's (z)."""
+    base = runs[b, None]
+    rows = {}
+    for mode in modes:
+        per = {}
+        for c in [None, *cats]:
+            row = _timed_row(runs[b, mode], mode, costs, c)
+            idx = _view(base[0], c)[0]
+            mine = runs[b, mode][row["median_repeat"]]["tokens"]
+            row["identical_to_vanilla"] = all(mine[i] == base[0]["tokens"][i] for i in idx)
+            row["timing"]["speedup"] = _spread([_summary_row(run, c)["tokens_per_second"] /
+                                                _summary_row(v, c)["tokens_per_second"] for run, v in zip(runs[b, mode], base)])
+            row["speedup"] = row["timing"]["speedup"]["median"]
+            if accuracy:
+                sv, sm = (float(np.mean([accuracy[b, x]["correct"][i] for i in idx])) for x in (None, mode))
+                row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, two_proportion_z(sm, sv, len(idx))
+            per[c] = row
+        rows[_mode_name(mode)] = {**per[None], **({"by_category": {c: per[c] for c in cats}} if cats else {})}
+    return rows
 
 
 def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categories=None, details=None,
                    budgets=(0, 8, 16, 32, 64, 128, None), chosen=(16, 64, None),
                    tiers=(TreeConfig.chain(4), TreeConfig.chain(6), TreeConfig(16, 4, 4)),
                    batch_size: int = 1, max_new_tokens: int = 256, sampled_temperature: float | None = 0.7,
-                   seed: int = 0, out_dir="experiment", progress: bool = True, replay_prompts=None,
-                   replay_rates=(), replay_requests: int = 24, server_kw: dict | None = None) -> dict:
-    """Runs the steps and writes the report (see the module doc); returns the report dict.
+                   seed: int = 0, repeats: int = 3, keep_policy_state: bool = False, out_dir="experiment",
+                   progress: bool = True, replay_prompts=None, replay_rates=(), replay_requests: int = 24,
+                   server_kw: dict | None = None) -> dict:
+    """Runs the steps and writes the report after each (see the module doc); returns the report dict.
 
     ``grade(i, tokens) -> bool`` scores prompt ``i`` (accuracy; ``None``: not reported);
     ``categories[i]``: prompt ``i``'s category (e.g. a task family): each category's prompts
@@ -162,95 +371,178 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categorie
     (``row["details"]``, overall and per category);
     ``chosen``: the budgets of step 2; ``tiers``: the static tiers (the adaptive policy runs
     over them plus no drafting); ``sampled_temperature``: also compare sampled accuracy of
-    each mode with vanilla at that temperature (``None``: greedy only).  Step 3 runs when
-    ``replay_rates`` are given: ``eagle3_jax.serve.replay`` of ``replay_prompts`` (texts) at those
-    arrival rates against a loopback server (``server_kw`` for its engine), per mode.
+    each mode with vanilla at that temperature, one pass untimed (``None``: greedy only; needs
+    ``grade``); ``repeats``: timed passes of steps 1 and 2 (at least 3 for an interval that
+    means something); ``keep_policy_state``: the adaptive policy's learned state carried from
+    call to call in the order run (default: reset before each row and repeat).  Step 3 runs
+    when ``replay_rates`` are given: ``eagle3_jax.serve.replay`` of ``replay_prompts`` (texts)
+    at those arrival rates against a loopback server (``server_kw`` for its engine), per mode.
+    Raises ``OSError`` at the end when a report file could not be written (it was printed).
     """
     from tqdm import tqdm
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     groups = category_groups(len(prompts), categories)
     cats = [] if categories is None else list(groups)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    modes = [None, *tiers, Speculation((None, *tiers))]
-    temps = [0.0] + ([sampled_temperature] if sampled_temperature else [])
-    jobs = [("step1", b, None, 0.0) for b in budgets] + [("step2", b, m, t) for t in temps for b in chosen for m in modes]
-    results: dict = {}
-    bar = tqdm(jobs, desc="experiment", disable=not progress)
-    with keep_compiled(len(jobs) * len(prompts)):  # a loop per (mode, temperature, batch shape): kept for the run
-        for step, b, mode, temp in bar:
-            key = (b, _mode_name(mode), temp)
-            bar.set_postfix_str(f"B={_label(b)} {_mode_name(mode)} T={temp}")
-            if key not in results:
-                results[key] = _run(target, drafter, prompts, groups, budget=b, mode=mode, batch_size=batch_size,
-                                    max_new_tokens=max_new_tokens, temperature=temp, seed=seed, tokenizer=tokenizer)
-                _grade(results[key], grade, details)  # each run graded once
-    summaries = {key: {c: _summary_row(r, c) for c in [None, *cats]} for key, r in results.items()}
+    _check_outputs(out_dir, bool(replay_rates))
+    n = len(prompts)
+    chunks = [(cat, idx[j:j + batch_size]) for cat, idx in groups.items() for j in range(0, len(idx), batch_size)]
+    adaptive = Speculation((None, *tiers))
+    modes = [None, *tiers, adaptive]
+    sampled = bool(sampled_temperature) and grade is not None
+    call = dict(max_new_tokens=max_new_tokens, seed=seed, tokenizer=tokenizer)
+    calls = len(chunks) * (repeats * (len(budgets) + len(chosen) * len(modes)) + sampled * len(chosen) * len(modes))
+    bar = tqdm(total=calls, desc="experiment", disable=not progress)
+    state_before = policy.snapshot()
 
-    def with_categories(rows: dict) -> dict:  # the overall row, and the categories' under by_category
-        return {**rows[None], **({"by_category": {c: rows[c] for c in cats}} if cats else {})}
+    def timed_step(rows: list, step_modes: list) -> tuple[dict, list]:
+        """``repeats`` passes over ``rows`` ((B, mode) pairs), the rows taking turns batch by
+        batch in an order that rotates each pass; each pass first measures its round costs.
+        Returns each row's runs (one per repeat, graded) and each repeat's round costs."""
+        runs = {row: [_new_run(n) for _ in range(repeats)] for row in rows}
+        costs = []
+        for r in range(repeats):
+            bar.set_postfix_str(f"repeat {r + 1}: round costs")
+            costs.append(_round_costs(target, drafter, [prompts[i] for i in chunks[0][1]], step_modes, **call))
+            states: dict = {}  # each row's own policy state in this pass (unless kept across rows)
+            for cat, ids in chunks:
+                for k in range(len(rows)):
+                    b, mode = row = rows[(k + r) % len(rows)]
+                    bar.set_postfix_str(f"repeat {r + 1}: B={_label(b)} {_mode_name(mode)}")
+                    learns = isinstance(mode, Speculation) and not keep_policy_state
+                    if learns:
+                        policy.restore(states.get(row, {}))
+                    _call(runs[row][r], target, drafter, prompts, cat, ids, budget=b, mode=mode, temperature=0.0,
+                          round_ms=_policy_round_ms(costs[r], adaptive) if mode is adaptive else None, **call)
+                    if learns:
+                        states[row] = policy.snapshot()
+                    bar.update()
+        for row_runs in runs.values():  # greedy: graded once, unless a repeat's tokens differ
+            _grade(row_runs[0], grade, details)
+            for run in row_runs[1:]:
+                if run["tokens"] == row_runs[0]["tokens"]:
+                    run["correct"], run["details"] = row_runs[0]["correct"], row_runs[0]["details"]
+                else:
+                    _grade(run, grade, details)
+        return runs, costs
 
-    report = {"settings": {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+    def with_categories(row: dict, rows: dict) -> dict:  # the overall row, and the categories' under by_category
+        return {**row, **({"by_category": rows} if cats else {})}
+
+    report = {"settings": {"prompts": n, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                            "budgets": [_label(b) for b in budgets], "chosen": [_label(b) for b in chosen],
                            "tiers": [tier_name(t) for t in tiers], "sampled_temperature": sampled_temperature,
+                           "repeats": repeats,
+                           "policy_state": "kept from call to call in the order run" if keep_policy_state else
+                           "reset before each row and repeat",
                            **({"categories": {c: len(groups[c]) for c in cats}} if cats else {})},
-              "step1": {_label(b): with_categories(summaries[(b, "vanilla", 0.0)]) for b in budgets}, "step2": {}}
-    for b in chosen:
-        base = results[(b, "vanilla", 0.0)]
-        rows = {}
-        for mode in modes:
-            name = _mode_name(mode)
-            r = results[(b, name, 0.0)]
-            per = {}
-            for c in [None, *cats]:
-                idx, stats = _view(r, c)
-                row = {**summaries[(b, name, 0.0)][c],
-                       "identical_to_vanilla": all(r["tokens"][i] == base["tokens"][i] for i in idx)}
-                if mode is not None:
-                    row.update(_speculation_row(stats))
-                row["speedup"] = row["tokens_per_second"] / summaries[(b, "vanilla", 0.0)][c]["tokens_per_second"]
-                if sampled_temperature and grade is not None:
-                    sv, sm = (summaries[(b, n, sampled_temperature)][c]["accuracy"] for n in ("vanilla", name))
-                    row["sampled_accuracy"], row["sampled_accuracy_z"] = sm, two_proportion_z(sm, sv, len(idx))
-                per[c] = row
-            rows[name] = with_categories(per)
-        report["step2"][_label(b)] = rows
-    report["peak_memory"] = peak_memory()
-    report["summary"] = _attribution(report)
+              "steps": [], "summary": [], "round_costs": {}}
+    failed: dict = {}
+    try:
+        with keep_compiled(len(modes) * 2 * len(chunks)):  # a loop per (mode, temperature, batch shape)
+            runs, report["round_costs"]["step1"] = timed_step([(b, None) for b in budgets], [None])
+            report["step1"] = {_label(b): with_categories(
+                _timed_row(runs[b, None], None, report["round_costs"]["step1"]),
+                {c: _timed_row(runs[b, None], None, report["round_costs"]["step1"], c) for c in cats})
+                for b in budgets}
+            report["steps"].append("step1")
+            _save(report, out_dir, failed, [(_quality_figure, QUALITY_FIGURE)])
+
+            runs, costs = timed_step([(b, m) for b in chosen for m in modes], modes)
+            report["round_costs"]["step2"] = costs
+            accuracy = {}
+            if sampled:  # one untimed pass per row, for accuracy only
+                for b in chosen:
+                    for mode in modes:
+                        run = _new_run(n)
+                        if mode is adaptive and not keep_policy_state:
+                            policy.restore({})
+                        for cat, ids in chunks:
+                            bar.set_postfix_str(f"T={sampled_temperature}: B={_label(b)} {_mode_name(mode)}")
+                            _call(run, target, drafter, prompts, cat, ids, budget=b, mode=mode, timed=False,
+                                  temperature=sampled_temperature,
+                                  round_ms=_policy_round_ms(costs[-1], adaptive) if mode is adaptive else None, **call)
+                            bar.update()
+                        _grade(run, grade, None)
+                        accuracy[b, mode] = run
+            report["step2"] = {_label(b): _step2_rows(runs, costs, b, modes, cats, accuracy) for b in chosen}
+            report["peak_memory"] = peak_memory()
+            report["summary"] = _attribution(report)
+            report["steps"].append("step2")
+            _save(report, out_dir, failed, [(_heatmap, HEATMAP)])
+    finally:
+        bar.close()
+        if not keep_policy_state:
+            policy.restore(state_before)
     if replay_rates:
         from eagle3_jax.serve import replay
 
         report["step3"] = replay.replay(target, drafter, tokenizer, prompts=list(replay_prompts), rates=sorted(replay_rates),
                                         requests=replay_requests, tiers=tiers, max_tokens=max_new_tokens, seed=seed,
-                                        log=lambda line: bar.write(line) if progress else None, **(server_kw or {}))
-        replay.write_figure(report["step3"], out_dir / "goodput_vs_rate.png")
+                                        log=lambda line: print(line) if progress else None, **(server_kw or {}))
         x = report["step3"]["crossover_rate"]
         report["summary"].append("under load (step 3), speculation " + (
             f"stops paying at {x:g} requests/s" if x is not None else "paid at every arrival rate measured"))
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "report.md").write_text(_markdown(report))
-    _figures(report, out_dir)
+        report["steps"].append("step3")
+        _save(report, out_dir, failed, [(lambda rep, path: replay.write_figure(rep["step3"], path), "goodput_vs_rate.png")])
+    if failed:
+        raise OSError(f"{out_dir}: could not write " + "; ".join(f"{name} ({e})" for name, e in failed.items())
+                      + (" — the report was printed on stdout instead" if {"report.json", "report.md"} & set(failed)
+                         else ""))
     return report
+
+
+def _interval(s: dict, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """``median [min–max]`` of a spread (each value × ``scale``)."""
+    return (f"{scale * s['median']:{spec}}{suffix} [{scale * s['min']:{spec}}–{scale * s['max']:{spec}}{suffix}]")
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def _speed_claim(rows: dict, repeats: int) -> str:
+    """What EAGLE-3 did to execution time at one B, with its interval over the repeats: the best
+    mode's cut (or rise) in time against vanilla, or "no measurable difference" where its
+    speedup's interval holds 1; the modes whose speedup intervals overlap the best one's."""
+    modes = [m for m in rows if m != "vanilla"]
+    best = max(modes, key=lambda m: rows[m]["speedup"])
+    sp = rows[best]["timing"]["speedup"]
+    cut = {k: 1 - 1 / sp[k] for k in ("median", "min", "max")}  # cut in time = 1 - 1/speedup
+    ident = f"identical tokens: {rows[best]['identical_to_vanilla']}"
+    if sp["min"] <= 1 <= sp["max"]:
+        text = (f"no measurable difference in execution time between EAGLE-3 (its best median: {best}, speedup "
+                f"{_interval(sp, '.2f', suffix='×')}) and vanilla ({repeats} repeats; {ident})")
+    else:
+        verb, sign = ("cut", 1) if sp["min"] > 1 else ("raised", -1)
+        lo, hi = sorted((sign * cut["min"], sign * cut["max"]))
+        text = (f"EAGLE-3 ({best}) {verb} execution time by {100 * sign * cut['median']:.1f}% "
+                f"[{100 * lo:.1f}–{100 * hi:.1f}%] (speedup {_interval(sp, '.2f', suffix='×')}, median [min–max] "
+                f"of {repeats} repeats; {ident})")
+    ties = [m for m in modes if m != best and _overlap(rows[m]["timing"]["speedup"], sp)]
+    if ties:
+        text += f"; no measurable difference between {best} and {', '.join(ties)}"
+    return text
 
 
 def _attribution(report: dict) -> list[str]:
     """The two effects, stated apart: what B did to the target's work and quality, and what
-    EAGLE-3 did to execution time at the same B."""
+    EAGLE-3 did to execution time at the same B (each budget named by its value)."""
     s1, lines = report["step1"], []
     ref = s1.get(UNLIMITED)
+    repeats = report["settings"]["repeats"]
     for b, rows in report["step2"].items():
-        best = max((n for n in rows if n != "vanilla"), key=lambda n: rows[n]["tokens_per_second"])
-        cut = 1 - rows[best]["seconds"] / rows["vanilla"]["seconds"]
-        if ref is not None and b != UNLIMITED:
+        speed = _speed_claim(rows, repeats)
+        if ref is not None and b != UNLIMITED and b in s1:
             tokens = 1 - s1[b]["tokens"] / ref["tokens"]
             acc = "" if ref["accuracy"] is None else \
                 f" and changed accuracy by {100 * (s1[b]['accuracy'] - ref['accuracy']):+.1f} points"
             lines.append(f"Budget B={b} reduced target tokens by {100 * tokens:.1f}% (vs unlimited){acc}; "
-                         f"at the same B, EAGLE-3 ({best}) cut execution time by {100 * cut:.1f}% "
-                         f"(identical tokens: {rows[best]['identical_to_vanilla']}).")
+                         f"at the same B, {speed}.")
         else:
-            lines.append(f"Unlimited B: EAGLE-3 ({best}) cut execution time by {100 * cut:.1f}% "
-                         f"(identical tokens: {rows[best]['identical_to_vanilla']}).")
+            lines.append(f"Budget B={b}: {speed}.")
     return lines
 
 
@@ -259,8 +551,8 @@ def _fmt(v, spec=".3f"):
 
 
 _STEP1_HEAD = "| accuracy | thinking tok | answer tok | TTFT ms | TPOT ms | e2e ms | exhausted | incomplete |"
-_STEP2_HEAD = ("| tok/s | speedup | TPOT ms | τ | τ thinking / answer | proposed / round | accuracy | identical | "
-               "sampled accuracy (z) |")
+_STEP2_HEAD = ("| tok/s | speedup | TPOT ms | τ | τ thinking / answer | proposed / round | rounds (forced) | accuracy | "
+               "identical | sampled accuracy (z) |")
 
 
 def _head(first: str, cells: str) -> list[str]:
@@ -269,16 +561,84 @@ def _head(first: str, cells: str) -> list[str]:
 
 
 def _step1_cells(r: dict) -> str:
-    return (f"| {_fmt(r['accuracy'])} | {r['thinking_tokens']:.1f} | {r['answer_tokens']:.1f} | {r['ttft_ms']:.2f} | "
-            f"{r['tpot_ms']:.3f} | {r['e2e_ms']:.1f} | {r['budget_exhausted_rate']:.2f} | {r['incomplete_rate']:.2f} |")
+    t = r["timing"]
+    return (f"| {_fmt(r['accuracy'])} | {r['thinking_tokens']:.1f} | {r['answer_tokens']:.1f} | "
+            f"{_interval(t['ttft_ms'], '.2f')} | {_interval(t['tpot_ms'], '.3f')} | {_interval(t['e2e_ms'], '.1f')} | "
+            f"{r['budget_exhausted_rate']:.2f} | {r['incomplete_rate']:.2f} |")
 
 
 def _step2_cells(r: dict) -> str:
+    t = r["timing"]
     phases = f"{_fmt(r.get('tau_thinking'), '.2f')} / {_fmt(r.get('tau_answer'), '.2f')}"
     sampled = "—" if "sampled_accuracy" not in r else f"{r['sampled_accuracy']:.3f} ({r['sampled_accuracy_z']:+.2f})"
-    return (f"| {r['tokens_per_second']:.1f} | {r['speedup']:.2f}× | {r['tpot_ms']:.3f} | {_fmt(r.get('tau'), '.2f')} | "
-            f"{phases} | {_fmt(r.get('proposed_per_round'), '.1f')} | {_fmt(r['accuracy'])} | "
+    rounds = f"{r['rounds']} ({r['forced_rounds']})" if "rounds" in r else "—"
+    return (f"| {_interval(t['tokens_per_second'], '.1f')} | {_interval(t['speedup'], '.2f', suffix='×')} | "
+            f"{_interval(t['tpot_ms'], '.3f')} | {_fmt(r.get('tau'), '.2f')} | {phases} | "
+            f"{_fmt(r.get('proposed_per_round'), '.1f')} | {rounds} | {_fmt(r['accuracy'])} | "
             f"{r['identical_to_vanilla']} | {sampled} |")
+
+
+def _time_cells(r: dict) -> str:
+    """A row's time (the median repeat's) beside its first-token time + rounds × round costs,
+    and the ratio of the two in each repeat."""
+    ratios = " / ".join(_fmt(p["seconds"] / p["predicted_seconds"] if p["predicted_seconds"] > 0 else None, ".2f")
+                        for p in r["per_repeat"])
+    return f"| {r['seconds']:.3f} | {r['predicted_seconds']:.3f} | {ratios} |"
+
+
+def _tiers_text(counts: dict | None, per_round: dict | None = None) -> str:
+    if counts is None:
+        return "— (forced rounds of a batch of several rows: not placed per tier)"
+    shown = [(t, n) for t, n in counts.items() if n] or list(counts.items())[:1]
+    return ", ".join(f"{t} {n}" + (f"×{per_round[t]:.2f}" if per_round and per_round[t] is not None else "")
+                     for t, n in shown)
+
+
+def _reconciliation(report: dict) -> list[str]:
+    """Step 2's rows in counts and in time: committed tokens as first tokens + Σ tier rounds ×
+    tokens per round + forced less dropped, the forced rounds by tier, and the time of the
+    median repeat beside its first-token time + loop rounds × round costs."""
+    md = ["### Step 2: rounds by tier, and time against round costs", "",
+          "Committed tokens = first tokens (the prefill's) + Σ tier drafted rounds × tokens per round + forced "
+          "rounds' tokens less those accepted past a stop or the length limit. The time of the repeat at the "
+          "median beside its calls' first-token time + their loop rounds × that repeat's round costs, and the ratio "
+          "of the two in each repeat (near 1: the time is what the rounds cost; a shared machine's load moves it).",
+          "",
+          *_head("| B | mode ", "| tokens | first + tier rounds × tokens / round + forced − dropped | forced rounds by "
+                               "tier | time s | first token + rounds × cost s | ratio per repeat |")]
+    for b, rows in report["step2"].items():
+        for name, r in rows.items():
+            if name == "vanilla":
+                sums = f"{r['prompts']} + {STEP} {r['tokens'] - r['prompts']}×1"
+                forced = "—"
+            elif r["tier_rounds"] is None:
+                sums, forced = _tiers_text(None), "—"
+            else:
+                sums = (f"{r['first_tokens']} + {_tiers_text(r['tier_rounds'], r['tier_tokens_per_round'])} "
+                        f"{r['forced_less_dropped']:+d}")
+                forced = f"{r['forced_rounds']}" + (f" ({_tiers_text(r['forced_tier_rounds'])})" if r["forced_rounds"]
+                                                    else "")
+            md.append(f"| {b} | {name} | {r['tokens']} | {sums} | {forced} " + _time_cells(r))
+    return md
+
+
+def _per_repeat(report: dict) -> list[str]:
+    """The adaptive rows' tier rounds in each repeat (how its choices vary), and the round costs
+    each repeat measured."""
+    md = [f"Adaptive policy, tier rounds per repeat (drafted; its state {report['settings']['policy_state']}):", ""]
+    for b, rows in report["step2"].items():
+        reps = rows["adaptive"]["per_repeat"]
+        md.append(f"- B={b}: " + "; ".join(
+            f"repeat {i + 1}: {_tiers_text(rep['tier_rounds'])} (forced {rep['forced_rounds']}, τ "
+            f"{_fmt(rep['tau'], '.2f')}, {rep['seconds']:.3f} s)" for i, rep in enumerate(reps)))
+    costs = report["round_costs"]
+    n = report["settings"]["repeats"]
+    md += ["", "Round costs measured in each repeat (ms per round, each tier forced on the first batch):", "",
+           "| step | mode | tier | " + " | ".join(f"repeat {i + 1}" for i in range(n)) + " |", "|" + " --- |" * (n + 3)]
+    for step, per in costs.items():
+        for mode, tiers in per[0].items():
+            md += [f"| {step} | {mode} | {t} | " + " | ".join(f"{c[mode][t]:.3f}" for c in per) + " |" for t in tiers]
+    return md
 
 
 def _category_step1(report: dict) -> list[str]:
@@ -307,22 +667,32 @@ def _details_table(report: dict) -> list[str]:
 
 
 def _markdown(report: dict) -> str:
-    categorized = "categories" in report["settings"]
-    md = ["# Two-budget experiment", "", "## Summary", "", *[f"- {line}" for line in report["summary"]], "",
-          "## Step 1: thinking budget B, speculation off", "", *_head("| B ", _STEP1_HEAD)]
-    md += [f"| {b} " + _step1_cells(r) for b, r in report["step1"].items()]
+    """``report.md``: whatever steps are done so far."""
+    settings = report["settings"]
+    categorized = "categories" in settings
+    md = ["# Two-budget experiment", "",
+          f"Timed figures: median [min–max] of {settings['repeats']} repeats, the rows of a step taking turns batch by "
+          f"batch in an order that rotates each repeat; a speedup pairs a mode with vanilla in the same repeat. "
+          f"The adaptive policy's learned state: {settings['policy_state']}.", ""]
+    if report["summary"]:
+        md += ["## Summary", "", *[f"- {line}" for line in report["summary"]], ""]
+    md += ["## Step 1: thinking budget B, speculation off", "", *_head("| B ", _STEP1_HEAD + " time s | first token + "
+                                                                       "steps × cost s | ratio per repeat |")]
+    md += [f"| {b} " + _step1_cells(r) + _time_cells(r)[1:] for b, r in report["step1"].items()]
     if categorized:
         md += ["", *_category_step1(report)]
     if details := _details_table(report):
         md += ["", *details]
-    md += ["", "## Step 2: speculative budget K at each chosen B (greedy)", "", *_head("| B | mode ", _STEP2_HEAD)]
-    md += [f"| {b} | {name} " + _step2_cells(r) for b, rows in report["step2"].items() for name, r in rows.items()]
-    if categorized:
-        md += ["", "### Step 2 per category", "", *_head("| category | B | mode ", _STEP2_HEAD)]
-        md += [f"| {c} | {b} | {name} " + _step2_cells(r["by_category"][c])
-               for c in report["settings"]["categories"] for b, rows in report["step2"].items() for name, r in rows.items()]
-    mem = report["peak_memory"]
-    md += ["", f"Peak memory: {mem['bytes'] / 2 ** 30:.2f} GiB ({mem['source']}).", ""]
+    if "step2" in report:
+        md += ["", "## Step 2: speculative budget K at each chosen B (greedy)", "", *_head("| B | mode ", _STEP2_HEAD)]
+        md += [f"| {b} | {name} " + _step2_cells(r) for b, rows in report["step2"].items() for name, r in rows.items()]
+        md += ["", *_reconciliation(report), "", *_per_repeat(report)]
+        if categorized:
+            md += ["", "### Step 2 per category", "", *_head("| category | B | mode ", _STEP2_HEAD)]
+            md += [f"| {c} | {b} | {name} " + _step2_cells(r["by_category"][c])
+                   for c in settings["categories"] for b, rows in report["step2"].items() for name, r in rows.items()]
+        mem = report["peak_memory"]
+        md += ["", f"Peak memory: {mem['bytes'] / 2 ** 30:.2f} GiB ({mem['source']}).", ""]
     if "step3" in report:
         from eagle3_jax.serve import replay
 
@@ -331,23 +701,36 @@ def _markdown(report: dict) -> str:
     return "\n".join(md)
 
 
-def _figures(report: dict, out_dir: Path):
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _quality_figure(report: dict, path: Path):
+    """Accuracy, thinking tokens and latency over B (speculation off): overall and per category;
+    the latency's median with its min–max over the repeats."""
+    plt = _pyplot()
     s1 = report["step1"]
     labels = list(s1)
-    x = range(len(labels))
+    x = np.arange(len(labels))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    series = [("accuracy", "accuracy"), ("thinking_tokens", "thinking tokens / request"), ("e2e_ms", "latency ms / request")]
+    series = [("accuracy", "accuracy"), ("thinking_tokens", "thinking tokens / request"),
+              ("e2e_ms", "latency ms / request (median, min–max)")]
     cats = list(report["settings"].get("categories", {}))
     for ax, (key, title) in zip(axes, series):
         for c in [None, *cats]:  # overall, then one thinner line per category
             rows = [s1[b] if c is None else s1[b]["by_category"][c] for b in labels]
-            ax.plot(x, [np.nan if r[key] is None else r[key] for r in rows], marker="o", lw=2.5 if c is None else 1,
-                    label="all" if c is None else c)
+            y = np.array([np.nan if r[key] is None else r[key] for r in rows], float)
+            err = None
+            if key in TIMED:
+                err = np.array([[r[key] - r["timing"][key]["min"] for r in rows],
+                                [r["timing"][key]["max"] - r[key] for r in rows]])
+            ax.errorbar(x, y, yerr=err, marker="o", lw=2.5 if c is None else 1, capsize=3,
+                        label="all" if c is None else c)
         if cats:
             ax.legend(fontsize=8)
         ax.set_xticks(list(x), labels)
@@ -355,14 +738,18 @@ def _figures(report: dict, out_dir: Path):
         ax.set_title(title)
     fig.suptitle("Quality, tokens and latency over the thinking budget (speculation off)")
     fig.tight_layout()
-    fig.savefig(out_dir / "quality_tokens_latency.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def _heatmap(report: dict, path: Path):
+    """Speedup (median over the repeats) and τ over B × K."""
+    plt = _pyplot()
     s2 = report["step2"]
     bs = list(s2)
     modes = [m for m in s2[bs[0]] if m != "vanilla"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.8 * len(bs) + 2.5))
-    for ax, key, title in ((axes[0], "speedup", "speedup over vanilla"), (axes[1], "tau", "τ (tokens per round)")):
+    for ax, key, title in ((axes[0], "speedup", "speedup over vanilla (median)"), (axes[1], "tau", "τ (tokens per round)")):
         grid = np.array([[s2[b][m].get(key) or np.nan for m in modes] for b in bs], float)
         im = ax.imshow(grid, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(modes)), modes)
@@ -375,5 +762,5 @@ def _figures(report: dict, out_dir: Path):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(out_dir / "budget_heatmap.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

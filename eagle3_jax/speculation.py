@@ -310,3 +310,16 @@ def recall(key) -> dict | None:
 def forget():
     """Drops every learned estimate: the next adaptive call warms up again."""
     _LEARNED.clear()
+
+
+def snapshot() -> dict:
+    """Everything the adaptive policy has learned (per models and tiers), as :func:`restore`
+    takes it: to run one stream of calls on its own state while others run in between."""
+    return dict(_LEARNED)
+
+
+def restore(state: dict):
+    """Makes ``state`` (a :func:`snapshot`; ``{}``: nothing learned, as :func:`forget`) what
+    the adaptive policy has learned."""
+    _LEARNED.clear()
+    _LEARNED.update(state)

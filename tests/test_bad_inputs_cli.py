@@ -72,6 +72,7 @@ CASES = [
      ["--rules", "'vocab' given twice"]),
     (["generate", "--prompt-ids", "1", "--target", "{target}", "--rules", "vocab=none"], ["--rules needs --mesh"]),
     (["experiment", "--mesh", "data=2"], ["--mesh"]),
+    (["experiment", "--repeats", "0"], ["--repeats", ">= 1"]),
     # generate: prompts and checkpoints
     (["generate"], ["give a prompt"]),
     (["generate", "hello", "--prompt-ids", "1,2"], ["PROMPT", "--prompt-ids"]),

@@ -61,7 +61,7 @@ def test_experiment_reports_each_category_and_the_pooled_whole(tmp_path, tiny_pa
     report = experiment.run_experiment(
         *tiny_pair, None, _prompts(), grade=_grade, categories=CATS, details=lambda i, t: details.get(i, {}),
         budgets=(None,), chosen=(None,), tiers=(TreeConfig.chain(2),), batch_size=2, max_new_tokens=8,
-        sampled_temperature=None, out_dir=tmp_path, progress=False)
+        sampled_temperature=None, repeats=1, out_dir=tmp_path, progress=False)
     assert batches and all(len(b) == 2 and len(set(b)) == 1 for b in batches)  # a batch never mixes categories
     assert report["settings"]["categories"] == N
 
@@ -103,10 +103,10 @@ def test_experiment_without_categories_runs_the_prompts_in_order(tmp_path, tiny_
     assert not batches
     report = experiment.run_experiment(*tiny_pair, None, _prompts(), budgets=(None,), chosen=(None,),
                                        tiers=(TreeConfig.chain(2),), batch_size=2, max_new_tokens=8,
-                                       sampled_temperature=None, out_dir=tmp_path, progress=False)
-    # one call per batch (its TTFT timed on the same program), the prompts in order, for
-    # vanilla, chain2 and adaptive
-    assert batches == [[10, 20], [10, 10], [20, 10]] * 3
+                                       sampled_temperature=None, repeats=1, out_dir=tmp_path, progress=False)
+    # one call per batch (its TTFT timed on the same program), the prompts in order: step 1's
+    # row, then step 2's vanilla, chain2 and adaptive taking turns batch by batch
+    assert batches == [[10, 20], [10, 10], [20, 10]] + [[10, 20]] * 3 + [[10, 10]] * 3 + [[20, 10]] * 3
     assert "categories" not in report["settings"]
     assert "by_category" not in report["step1"]["unlimited"] and "by_category" not in report["step2"]["unlimited"]["chain2"]
     assert "per category" not in (tmp_path / "report.md").read_text()

@@ -1,12 +1,22 @@
 """A small, fast run of the two-budget experiment on the built-in pair: both steps, the
-report files, and the two attributions stated apart."""
+report files, the two attributions stated apart, and rows that reconcile: committed tokens
+from the tier rounds, forced rounds counted apart, the counts those of the timed calls, and
+each row's time against its rounds × the measured round costs."""
 
 from __future__ import annotations
 
 import json
+import math
 
-from eagle3_jax import builtin
-from eagle3_jax.cli import main
+import pytest
+
+from eagle3_jax import builtin, generate
+from eagle3_jax.cli import _encode, main
+from eagle3_jax.tree import TreeConfig
+
+# a row's time within this factor of its first-token time + rounds × round costs, in at least
+# one repeat (the repeats share a machine whose load moves a timing by a third or more)
+TIME_TOLERANCE = 1.5
 
 
 def test_experiment_writes_the_report(tmp_path, capsys):
@@ -16,6 +26,7 @@ def test_experiment_writes_the_report(tmp_path, capsys):
                "--replay-rates"])  # no rates: step 3 (a server per mode) is left to `eagle3-jax replay`'s tests
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == ["step1", "step2"] and report["settings"]["repeats"] == 3
     assert list(report["step1"]) == ["0", "8", "unlimited"]
     s1 = report["step1"]
     assert s1["0"]["thinking_tokens"] < s1["unlimited"]["thinking_tokens"]  # B bounds the work
@@ -28,13 +39,42 @@ def test_experiment_writes_the_report(tmp_path, capsys):
     assert rows["chain4"]["tau"] > 1 and "tier_rounds" in rows["adaptive"]
     assert "sampled_accuracy_z" in rows["chain4"]
     assert len(report["summary"]) == 1 and "Budget B=8 reduced target tokens by" in report["summary"][0]
-    assert "EAGLE-3" in report["summary"][0]
+    assert "EAGLE-3" in report["summary"][0] and "3 repeats" in report["summary"][0]
     families = [t["family"] for t in builtin.eval_tasks()[:1]]  # every figure per family too (several: test_categories)
     assert list(report["settings"]["categories"]) == list(dict.fromkeys(families))
     assert set(s1["0"]["by_category"]) == set(rows["chain4"]["by_category"]) == set(families)
     md = (out / "report.md").read_text()
     assert "## Step 1" in md and "## Step 2" in md and "step3" not in report
     assert "### Step 1 per category" in md and "### Step 2 per category" in md
+    assert "rounds by tier, and time against round costs" in md and "tier rounds per repeat" in md
     for png in ("quality_tokens_latency.png", "budget_heatmap.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "Budget B=8" in capsys.readouterr().out
+
+    # counts that reconcile: forced rounds apart and the same in rounds and tier rounds; committed
+    # tokens = first tokens + Σ tier rounds × tokens per round + forced less dropped
+    assert rows["chain4"]["forced_rounds"] > 0  # B = 8 forces the end of thinking
+    for name in ("chain4", "adaptive"):
+        r = rows[name]
+        assert sum(r["tier_rounds"].values()) == r["rounds"] and sum(r["forced_tier_rounds"].values()) == r["forced_rounds"]
+        made = sum(n * r["tier_tokens_per_round"][t] for t, n in r["tier_rounds"].items() if n)
+        assert r["tokens"] == r["first_tokens"] + round(made) + r["forced_less_dropped"]
+        assert (r["tau"] - 1) * r["rounds"] == pytest.approx(r["accepted"])
+        # chain4's path: a round commits at most 5 tokens, and a call drops at most 4 (in its last round)
+        assert -4 * r["prompts"] <= r["forced_less_dropped"] <= 5 * r["forced_rounds"]
+        for rep in r["per_repeat"]:  # every repeat's calls, the adaptive policy's choice in each
+            assert sum(rep["tier_rounds"].values()) == rep["rounds"]
+            assert sum(rep["loop_rounds"].values()) == rep["rounds"] + rep["forced_rounds"]
+    assert len({json.dumps(rep["tier_rounds"]) for rep in rows["chain4"]["per_repeat"]}) == 1
+
+    # the counts are the timed calls' own: those of one call of each prompt
+    target, drafter, tok = builtin.load("float32")
+    prompt = _encode(tok, builtin.eval_tasks()[0]["prompt"])
+    res = generate(target, drafter, [prompt], max_new_tokens=48, tokenizer=tok, thinking_budget=8,
+                   speculation=TreeConfig.chain(4))
+    assert (sum(res.stats["rounds"]), res.stats["forced_rounds"]) == (rows["chain4"]["rounds"], rows["chain4"]["forced_rounds"])
+
+    # each timed row's time against its first-token time + rounds × that repeat's round costs
+    for row in [*s1.values(), *rows.values()]:
+        ratios = [p["seconds"] / p["predicted_seconds"] for p in row["per_repeat"]]
+        assert min(abs(math.log(x)) for x in ratios) <= math.log(TIME_TOLERANCE), ratios
