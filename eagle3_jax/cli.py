@@ -469,11 +469,49 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _plan_topology(args, mesh) -> int:
+    """``plan --topology``: the config's programs compiled for a TPU topology (its report
+    printed, and written as JSON to ``--json``, default ``plan-<topology>.json``)."""
+    import time
+
+    from eagle3_jax import plan
+
+    out = Path(args.json or f"plan-{args.topology.replace(':', '-')}.json")
+    if out.is_dir():
+        raise ValueError(f"--json {out}: is a directory; give a file path")
+    programs = tuple(args.programs.split(",")) if args.programs else ("decode", "slots", "fit")
+    unknown = sorted(set(programs) - {"decode", "slots", "fit"})
+    if unknown:
+        raise ValueError(f"--programs {args.programs}: unknown {', '.join(unknown)}; choose from decode, slots, fit")
+    start = time.perf_counter()
+
+    def progress(name):  # one line a program: a compile takes seconds to minutes
+        print(f"[{time.perf_counter() - start:6.0f} s] compiling {name} for {args.topology}", file=sys.stderr,
+              flush=True)
+
+    report = plan.plan_topology(args.config, args.topology, mesh=mesh, tau=args.tau, prompt_len=args.prompt_len,
+                                attention_impl=args.attention, target_config=args.target_config,
+                                overrides=args.overrides, programs=programs, progress=progress)
+    report["compile_total_s"] = round(time.perf_counter() - start, 1)
+    print(plan.format_topology_report(report))
+    print(f"compiled in {report['compile_total_s']:.0f} s; report: {out}")
+    write_atomic(out, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def _cmd_plan(args) -> int:
     from eagle3_jax import plan
     from eagle3_jax.sharding import parse_mesh
 
     mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    if args.topology == "config":
+        from eagle3_jax.train import pipeline
+
+        args.topology = pipeline.load_config(args.config, args.overrides)["topology"]
+        if not args.topology:
+            raise ValueError(f"{args.config}: names no topology; give --topology NAME (e.g. v6e:2x4)")
+    if args.topology is not None:
+        return _plan_topology(args, mesh)
     memory = None if args.device_memory is None else plan.parse_bytes(args.device_memory)
     p = plan.plan(args.config, mesh=mesh, batch=args.batch, seq_len=args.seq_len, device_memory=memory,
                   target_config=args.target_config, overrides=args.overrides)
@@ -930,6 +968,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-memory", help="memory of one device, e.g. 16GiB: say whether decode and fit fit")
     pl.add_argument("--target-config", type=_path, help="the target's config.json, where the config's target directory is "
                                             "not on this machine (default: configs/targets/<name>.json beside it)")
+    pl.add_argument("--topology", help="compile, not estimate: the config's decode loops, prefill, server dispatch and "
+                                       "fit step for this TPU topology (e.g. v5e:2x4, v5p:2x2x2, v6e:2x4; 'config': the "
+                                       "config's own; needs the 'tpu' extra, no TPU): per-device memory, fits, flops, "
+                                       "bytes, roofline times")
+    pl.add_argument("--tau", type=_number(float, "tau", lo=1), help="with --topology: committed tokens per round for "
+                    "the predicted speedup (default: the run's recorded acceptance, else 3)")
+    pl.add_argument("--prompt-len", type=_number(int, "prompt-len", lo=1),
+                    help="with --topology: prompt tokens of the decode programs (default: seq_len / 2)")
+    pl.add_argument("--attention", choices=("xla", "pallas"), default="pallas",
+                    help="with --topology: the decode programs' attention (default: pallas, the Mosaic TPU kernel)")
+    pl.add_argument("--programs", help="with --topology: which of decode,slots,fit to compile (default: all)")
+    pl.add_argument("--json", type=_path, help="with --topology: where to write the report (default: "
+                                               "plan-<topology>.json)")
+    _compile_cache_arg(pl)
     pl.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     pl.set_defaults(func=_cmd_plan)
     return parser
@@ -955,6 +1007,9 @@ def main(argv=None, cores: bool | None = None) -> int:
     ``cores``: one JAX CPU device per core for ``bench``'s ``--mesh auto`` (:func:`_use_cores`);
     by default when ``argv`` is ``None`` (the program's own command line), so that a caller
     passing its own arguments keeps its JAX devices."""
+    from eagle3_jax import topology
+
+    topology.keep_cpu_default()  # libtpu installed on a host without TPUs: the CPU, quietly
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -970,7 +1025,7 @@ def main(argv=None, cores: bool | None = None) -> int:
     if (argv is None) if cores is None else cores:
         _use_cores(args)
     try:
-        if hasattr(args, "compile_cache"):  # the commands that compile: serve, replay, generate, bench, experiment
+        if hasattr(args, "compile_cache"):  # the commands that compile: serve, replay, generate, bench, experiment, plan
             use_compile_cache(args.compile_cache)
         return args.func(args)
     except KeyboardInterrupt:

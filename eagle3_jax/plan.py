@@ -33,8 +33,9 @@ def parse_bytes(text: str) -> int:
     """``"16GiB"``, ``"95 GB"``, ``"17179869184"`` → bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"device memory {text!r}: expected a positive size such as 16GiB, 95GB or a byte count")
+    if not m or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"device memory {text!r}: expected a size of at least one byte such as 16GiB, 95GB or a "
+                         f"byte count")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -56,6 +57,11 @@ def target_config_for(cfg: dict, config_file: Path, target_config: str | Path | 
     """The target's architecture and where it was read from (see the module docstring)."""
     if target_config is not None:
         file = Path(target_config)
+        if file.is_dir():
+            file = file / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"--target-config {target_config}: no such file (give the target's Hugging Face "
+                                    f"config.json, or its checkpoint directory)")
     else:
         target = cfg.get("target")
         if not target:
@@ -157,9 +163,11 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
     cfg = pipeline.load_config(config_file, overrides)
     axes = dict.fromkeys(sharding.MESH_AXES, 1)
     axes.update(mesh if mesh is not None else cfg["mesh"])
-    if any(v == -1 for v in axes.values()):
-        raise ValueError(f"mesh {axes}: a plan needs every axis size (data=-1 means 'all devices'); give --mesh, "
-                         f"e.g. --mesh data=2,tensor=4")
+    unsized = [a for a, v in axes.items() if v == -1]
+    if unsized:
+        raise ValueError(f"mesh {axes}: the config's {', '.join(unsized)}=-1 means 'all devices', which a plan without "
+                         f"devices cannot count; give --mesh with every size (e.g. --mesh data=2,fsdp=4), or "
+                         f"--topology to compile for a slice")
     amesh = sharding.abstract_mesh(**axes)
     tcfg, source = target_config_for(cfg, Path(config_file), target_config)
     dcfg = drafter_config_for(cfg, tcfg)

@@ -78,3 +78,16 @@ def test_cli_plan(capsys, tmp_path):
     assert cli.main(["plan", "--config", str(cfg), "--mesh", "tensor=8", "--target-config",
                      str(CONFIGS / "targets" / "Qwen3-8B.json")]) == 0
     assert "8.19 B parameters (8,190,735,360)" in capsys.readouterr().out
+
+
+def test_plan_inputs_named(tmp_path, capsys):
+    """A size under one byte, a --target-config that is no file and an unsized config mesh are
+    each refused by name (not a ZeroDivisionError, not a made-up config.json path)."""
+    with pytest.raises(ValueError, match="at least one byte"):
+        plan.parse_bytes("0.5B")
+    assert cli.main(["plan", "--config", str(CONFIGS / "llama31_8b.yaml"), "--mesh", "tensor=8",
+                     "--target-config", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--target-config" in err and "nope.json: no such file" in err and "nope.json/config.json" not in err
+    assert cli.main(["plan", "--config", str(CONFIGS / "llama31_8b.yaml")]) == 2
+    assert "data=-1 means 'all devices'" in capsys.readouterr().err
