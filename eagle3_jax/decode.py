@@ -890,20 +890,31 @@ def lower_generate(target, drafter, *, batch: int, prompt_len: int, max_new_toke
     one over a TPU topology's devices on a host without TPUs; the weights are placed by their
     declarations, the caches and the batch as ``generate`` places them.  ``kwargs``: the other
     arguments of :func:`generate` (``speculation``, ``tree``, ``temperature``, ...)."""
+    req, (tgraph, tstate), (dgraph, dstate) = _placed_request(target, drafter, batch, prompt_len, max_new_tokens,
+                                                              mesh, rules, kwargs)
+    return _lower(tgraph, tstate, dgraph, dstate, req.prompt_BxT.shape, req.kw)
+
+
+def _placed_request(target, drafter, batch: int, prompt_len: int, max_new_tokens: int, mesh, rules, kwargs: dict):
+    """``generate``'s request for ``batch`` prompts of ``prompt_len`` tokens (the ids only shape
+    the programs) and the models' split states placed on its mesh."""
     _int_arg("batch", batch, 1)
     _int_arg("prompt_len", prompt_len, 1)
-    prompts = [[0] * prompt_len] * batch  # the token ids only shape the program
-    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
+    req = _prepare(target, drafter, [[0] * prompt_len] * batch, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
                    **{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "tree": TreeConfig(), "seed": 0,
                       "stop_token_ids": None, "tokenizer": None, **kwargs})
-    rules = None if req.rules is None else dict(req.rules)
+    return req, *_placed(target, drafter, req.mesh, None if req.rules is None else dict(req.rules))
+
+
+def _placed(target, drafter, mesh, rules) -> tuple[tuple, tuple]:
+    """``((tgraph, tstate), (dgraph, dstate))``, the states placed on ``mesh`` by the models'
+    declarations (``(None, None)`` for no drafter)."""
     tgraph, tstate = nnx.split(target)
-    tstate = sharding.place(tstate, declare_target(target.config), req.mesh, rules)
-    dgraph = dstate = None
-    if drafter is not None:
-        dgraph, dstate = nnx.split(drafter)
-        dstate = sharding.place(dstate, declare_drafter(drafter.config), req.mesh, rules)
-    return _lower(tgraph, tstate, dgraph, dstate, req.prompt_BxT.shape, req.kw)
+    tstate = sharding.place(tstate, declare_target(target.config), mesh, rules)
+    if drafter is None:
+        return (tgraph, tstate), (None, None)
+    dgraph, dstate = nnx.split(drafter)
+    return (tgraph, tstate), (dgraph, sharding.place(dstate, declare_drafter(drafter.config), mesh, rules))
 
 
 def lower_parts(target, drafter, *, batch: int, prompt_len: int, max_new_tokens: int, mesh, rules=None,
@@ -915,19 +926,8 @@ def lower_parts(target, drafter, *, batch: int, prompt_len: int, max_new_tokens:
     tiers; ``None``: no drafting, a plain target step) lowered on ``state``, the compiled
     prefill's ``out_info``.  A loop's cost analysis counts its body once, whatever its trip
     count; these parts hold no loop over rounds, so their costs are a round's."""
-    _int_arg("batch", batch, 1)
-    _int_arg("prompt_len", prompt_len, 1)
-    prompts = [[0] * prompt_len] * batch
-    req = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
-                   **{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "tree": TreeConfig(), "seed": 0,
-                      "stop_token_ids": None, "tokenizer": None, **kwargs})
-    rules = None if req.rules is None else dict(req.rules)
-    tgraph, tstate = nnx.split(target)
-    tstate = sharding.place(tstate, declare_target(target.config), req.mesh, rules)
-    dgraph = dstate = None
-    if drafter is not None:
-        dgraph, dstate = nnx.split(drafter)
-        dstate = sharding.place(dstate, declare_drafter(drafter.config), req.mesh, rules)
+    req, (tgraph, tstate), (dgraph, dstate) = _placed_request(target, drafter, batch, prompt_len, max_new_tokens,
+                                                              mesh, rules, kwargs)
     kw = dict(req.kw)
     spec = kw["spec"]
     loop = _Loop(kw["max_new"], kw["sampling"], spec, kw["thinking"], kw["cache_shardings"])
@@ -1330,9 +1330,10 @@ def _slot_rounds(tgraph, tstate, dgraph, dstate, st: _State, cap, force_tier, *,
     then written back."""
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
-    if rows == st.done.shape[0]:
-        return _rounds(target, drafter, st, loop, force_tier, cap)
-    sub = _rounds(target, drafter, _first_rows(st, rows), loop, force_tier, cap)
+    with _kernel_mesh(target, loop):
+        if rows == st.done.shape[0]:
+            return _rounds(target, drafter, st, loop, force_tier, cap)
+        sub = _rounds(target, drafter, _first_rows(st, rows), loop, force_tier, cap)
     return dataclasses.replace(_put_rows(st, sub, 0), step=sub.step, ctl=sub.ctl)
 
 
@@ -1397,18 +1398,15 @@ def lower_slots(target, drafter, *, num_slots: int, max_len: int, mesh, speculat
     (abstract models, any mesh: the weights placed by their declarations)."""
     spec = _speculation_arg(target, drafter, TreeConfig() if speculation is None else speculation)
     spec = spec if drafter is not None else None
-    loop = _Loop(_int_arg("max_len", max_len, 2), None, spec, None)
     mesh = sharding.auto_mesh(mesh)
-    tgraph, tstate = nnx.split(target)
-    tstate = sharding.place(tstate, declare_target(target.config), mesh, rules)
-    dgraph = dstate = None
-    if drafter is not None:
-        dgraph, dstate = nnx.split(drafter)
-        dstate = sharding.place(dstate, declare_drafter(drafter.config), mesh, rules)
+    num_slots = _int_arg("num_slots", num_slots, 1)
+    loop = _Loop(_int_arg("max_len", max_len, 2), None, spec, None,
+                 _cache_shardings(target, drafter, num_slots, max_len, mesh, rules))
+    (tgraph, tstate), (dgraph, dstate) = _placed(target, drafter, mesh, rules)
     n_tiers = 1 if spec is None else len(spec.tiers)
     learned = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.fresh(spec or _NO_SPEC))
     stops = _int_arg("max_stop_ids", max_stop_ids, 0) + len(target.config.eos_token_ids)
-    state = jax.eval_shape(functools.partial(_slots_empty, tgraph, dgraph=dgraph, slots=_int_arg("num_slots", num_slots, 1),
+    state = jax.eval_shape(functools.partial(_slots_empty, tgraph, dgraph=dgraph, slots=num_slots,
                                              max_len=max_len, stops=stops, loop=loop),
                            tstate, dstate=dstate, round_ms_T=jax.ShapeDtypeStruct((n_tiers,), jnp.float32),
                            learned=learned)

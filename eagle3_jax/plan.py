@@ -298,6 +298,8 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     unrolled layers, extrapolated to the target's (:func:`eagle3_jax.topology.per_layer`),
     and the fit step's from one micro-batch so compiled, times ``fit.micro_batches``.
     ``progress(name)`` is called before each compile.  Returns a JSON-ready dict."""
+    import time
+
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -334,8 +336,14 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
 
     def build(name, lower):
         note(name)
-        lowered, seconds = topology.timed_lower(lower)
-        return topology.compile_program(name, lowered, seconds_before=seconds)
+        start = time.perf_counter()
+        try:
+            lowered, seconds = topology.timed_lower(lower)
+            return topology.compile_program(name, lowered, seconds_before=seconds)
+        except Exception as e:  # noqa: BLE001 - one program's failure is reported; the others still compile
+            message = " ".join(str(e).split())[:300]
+            return topology.Program(name, time.perf_counter() - start, 0, 0, 0, 0, 0, 0.0, 0.0, None,
+                                    refused=f"failed: {type(e).__name__}: {message}")
 
     gen = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new, mesh=tmesh)
     target, drafter = models(tcfg)
@@ -453,7 +461,8 @@ def format_topology_report(r: dict) -> str:
     for p in r["programs"]:
         lines.append(f"  {p['program']:<52}{p['compile_s']:>8.1f}s{gib(p['arguments']):>8}{gib(p['outputs']):>8}"
                      f"{gib(p['aliases']):>8}{gib(p['temporaries']):>8}{gib(p['code']):>7}{gib(p['total']):>8}"
-                     f"{100 * p['hbm_fraction']:>6.0f}%  {'fits' if p['fits'] else 'does NOT fit'}"
+                     f"{100 * p['hbm_fraction']:>6.0f}%  "
+                     f"{'fits' if p['fits'] else 'FAILED' if (p['refused'] or '').startswith('failed') else 'does NOT fit'}"
                      + (f" (the compiler: {p['refused']})" if p["refused"] else
                         f" ({'margin' if p['fits'] else 'over by'} {gib(abs(p['margin']))} GiB)"))
     if r["costs"]:
