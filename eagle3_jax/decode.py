@@ -475,7 +475,6 @@ def _run(tgraph, tstate, dgraph, dstate, prompt_BxT, lengths_B, key, budget_B, p
          phases: tuple[int, ...] = ()):
     target = nnx.merge(tgraph, tstate)
     drafter = None if dgraph is None else nnx.merge(dgraph, dstate)
-    B = prompt_BxT.shape[0]
     loop = _Loop(max_new, sampling, spec if drafter is not None else None, thinking, cache_shardings)
     with _kernel_mesh(target, loop):
         return _run_on(target, drafter, prompt_BxT, lengths_B, key, budget_B, phase_B, round_ms_T, force_tier,
