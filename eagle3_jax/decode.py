@@ -533,7 +533,8 @@ def _run_jit():
 # constants) in memory, so the number kept is bounded; one evicted is freed (``_run_jit``).
 COMPILE_CACHE_SIZE = 16
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
-_ROUND_MS: dict = {}  # id(compiled) → measured milliseconds per round of each speculation tier
+_ROUND_MS: dict = {}  # id(compiled) → its measurements of the milliseconds per round of each speculation tier
+ROUND_MS_MEASUREMENTS = 3  # a program's round costs are measured on its first calls, this many (``_round_ms``)
 _RAN: set = set()  # id(compiled) of the loops that have run in this process (generate's warm_up)
 
 
@@ -1047,12 +1048,21 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float
     transfer).  Stop tokens end the rows as in the call (so a tier's stretch ends where the
     answers end, if sooner), unless some tier's first ``rounds`` rounds would already end
     every row, some at a stop token (answers too short to time): then every tier is forced
-    past them.  Measured on the first call of the program; later calls reuse it.  Each call is the fastest of ``repeats`` passes that time every tier
-    in turn (in an order that rotates), so that a slow spell of a shared machine falls on
-    every tier alike."""
-    if id(compiled) in _ROUND_MS:
-        return _ROUND_MS[id(compiled)]
+    past them.  Each call is the fastest of ``repeats`` passes that time every tier in turn
+    (in an order that rotates), so that a slow spell of a shared machine falls on every tier
+    alike.  Measured anew on each of the program's first ``ROUND_MS_MEASUREMENTS`` calls (later
+    calls reuse them), each tier's cost the lower median of the measurements so far (of two,
+    the faster): a first measurement that a busy spell slowed (or a baseline call it slowed
+    made too fast) does not steer every later call of the program."""
+    done = _ROUND_MS.setdefault(id(compiled), [])
+    if len(done) < ROUND_MS_MEASUREMENTS:
+        done.append(_measure_round_ms(compiled, args, n_tiers, rounds, seconds_long, repeats))
+    return tuple(sorted(m[i] for m in done)[(len(done) - 1) // 2] for i in range(n_tiers))
 
+
+def _measure_round_ms(compiled, args, n_tiers: int, rounds: int, seconds_long: float,
+                      repeats: int) -> tuple[float, ...]:
+    """One measurement of ``_round_ms``."""
     forced_call(compiled, args, 0, 0)  # the program's first run
     max_new = int(args[9])
 
@@ -1081,8 +1091,7 @@ def _round_ms(compiled, args, n_tiers: int, rounds: int = 8, seconds_long: float
         for tier, n in calls:
             t, ran[tier] = forced_call(compiled, args, max(tier, 0), n, keep_stops)
             best[tier] = min(best.get(tier, float("inf")), t)
-    _ROUND_MS[id(compiled)] = tuple(1e3 * max(best[i] - best[-1], 1e-6) / max(ran[i], 1) for i in range(n_tiers))
-    return _ROUND_MS[id(compiled)]
+    return tuple(1e3 * max(best[i] - best[-1], 1e-6) / max(ran[i], 1) for i in range(n_tiers))
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -1109,7 +1118,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       speculation: the speculative budget K as tiers and a policy (``Speculation``, see
         ``eagle3_jax.speculation``; a ``TreeConfig`` is one fixed tier); overrides ``tree``.
       round_ms: milliseconds per round of each tier, for the adaptive policy (default:
-        measured once per models, tiers, batch and prompt bucket).
+        measured per models, tiers, batch and prompt bucket on the first
+        ``ROUND_MS_MEASUREMENTS`` calls, each tier the median of those measurements).
       seed: the sampling seed, in [0, 2**32).
       mesh: a ``jax.sharding.Mesh`` (``eagle3_jax.sharding.make_mesh``, or ``jax.make_mesh``'s, its
         Explicit axes taken as Auto: ``sharding.auto_mesh``) to decode on: weights by

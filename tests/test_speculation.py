@@ -447,3 +447,39 @@ def test_round_ms_times_every_tier_over_the_same_tokens(monkeypatch, answer, max
     assert len(timed) == 3 and {keep for _, _, keep, _ in timed} == {keeps}, timed
     made = [m for *_, m in timed]
     assert max(made) - min(made) < max(per_round), timed  # the same tokens, to within a round
+
+
+def test_a_slow_first_round_cost_measurement_does_not_pin_later_calls(monkeypatch):
+    """``generate``'s round costs for the adaptive policy are measured again on a program's
+    first ``ROUND_MS_MEASUREMENTS`` calls, each tier the lower median so far: a first
+    measurement that a busy spell slowed (here the chain's rounds 4.5× their cost, as once
+    measured while another row ran) steers the first call only, not every later call of the
+    program, and a measurement too fast (a cost of nothing) steers none."""
+    import math
+
+    import jax.numpy as jnp
+
+    decode = eagle3_jax.decode
+    costs, per_round, slow = (2.0, 5.0, 9.0), (1, 4, 10), [4.5]
+
+    def program(compiled, args):  # a prefill of 5 ms, then rounds of each tier's cost (× slow[0] for tier 1)
+        tier, cap = int(args[8]), int(args[9])
+        ran = min(cap, math.ceil(200 / per_round[tier]))
+        accept = np.full((2, 512), -1)
+        accept[:, :ran] = per_round[tier] - 1
+        ms = costs[tier] * (slow[0] if tier == 1 else 1.0)
+        return 0.005 + 1e-3 * ms * ran, {"n_out": np.full((2,), 1 + ran * per_round[tier]), "accept": accept}
+
+    monkeypatch.setattr(decode, "_timed_call", program)
+    monkeypatch.setattr(decode, "_ROUND_MS", {})
+    args = (None,) * 9 + (jnp.int32(256), jnp.bool_(False), None)
+    compiled = object()  # one program, called again and again
+    assert decode._round_ms(compiled, args, 3) == pytest.approx((2.0, 22.5, 9.0))  # the busy first call
+    slow[0] = 1.0
+    assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)  # measured again: the spell is gone
+    slow[0] = 0.0
+    assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)  # the median of 22.5, 5 and 0 ms
+    slow[0] = 4.5
+    for _ in range(2):  # measured on the first 3 calls only
+        assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)
+    assert len(decode._ROUND_MS[id(compiled)]) == decode.ROUND_MS_MEASUREMENTS == 3
