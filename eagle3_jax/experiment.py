@@ -29,7 +29,11 @@ Figures a reader can trust (DESIGN.md):
   Forced rounds are counted apart, in ``forced_rounds`` and ``forced_tier_rounds``.
 * **Time that matches the rounds.**  Each repeat measures what a round of each mode's tiers
   costs (``cost.forced_rounds`` on the first batch, greedy), and a row's time is compared with
-  its calls' first-token time + its loop rounds × those costs (``predicted_seconds``).
+  its calls' first-token time + its loop rounds × those costs (``predicted_seconds``).  The
+  two reconcile when, in at least one repeat, their ratio is within ``RECONCILE_FACTOR`` (the
+  time and the costs of one repeat, the closest repeat: a busy spell of a shared machine that
+  slows one but not the other moves a single repeat's ratio by half or more); a row that does
+  not is marked in the report and named in the summary (``row["time_check"]``).
 * **The policy's state said.**  The adaptive policy is handed the repeat's round costs, and
   what it learned is reset before each row and repeat (within one, it carries from batch to
   batch); with ``keep_policy_state`` it carries from call to call in the order run instead.
@@ -58,9 +62,8 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_jax import speculation as policy
+from eagle3_jax.atomic import check_output_path, write_atomic
 from eagle3_jax.bench import category_groups, peak_memory, two_proportion_z
-from eagle3_jax.checkpoint import check_output_path
-from eagle3_jax.cli import write_atomic
 from eagle3_jax.decode import generate, keep_compiled
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
@@ -68,6 +71,7 @@ from eagle3_jax.tree import TreeConfig
 UNLIMITED = "unlimited"
 TIMED = ("seconds", "tokens_per_second", "ttft_ms", "tpot_ms", "e2e_ms")  # each with its spread over the repeats
 STEP = "step"  # vanilla's one "tier": a target step
+RECONCILE_FACTOR = 1.5  # a row's time against its rounds × round costs: within this factor in some repeat
 QUALITY_FIGURE, HEATMAP = "quality_tokens_latency.png", "budget_heatmap.png"
 
 
@@ -159,6 +163,16 @@ def _predicted_seconds(run: dict, mode, costs: dict) -> float:
     first = sum(st["first_token_seconds"] for _, _, st in run["chunks"])
     per_round = costs[_mode_name(mode)]
     return first + sum(n * per_round[t] for t, n in _loop_rounds(run, mode).items()) / 1e3
+
+
+def _time_check(per_repeat: list[dict]) -> dict:
+    """A row's time against its first-token time + rounds × round costs (``per_repeat``: each
+    repeat's ``seconds`` and ``predicted_seconds``): the ratio of the repeat closest to 1, which
+    repeat, and whether it is within ``RECONCILE_FACTOR``."""
+    ratios = [p["seconds"] / p["predicted_seconds"] if p["predicted_seconds"] > 0 else math.inf for p in per_repeat]
+    r = min(range(len(ratios)), key=lambda i: abs(math.log(ratios[i])) if 0 < ratios[i] < math.inf else math.inf)
+    return {"ratio": ratios[r], "repeat": r, "factor": RECONCILE_FACTOR,
+            "within": 1 / RECONCILE_FACTOR <= ratios[r] <= RECONCILE_FACTOR}
 
 
 def _tier_split(st: dict) -> tuple | None:
@@ -298,6 +312,7 @@ def _timed_row(runs: list[dict], mode, costs: list[dict], cat=None) -> dict:
                 rep.update({k: spec[k] for k in ("tau", "rounds", "forced_rounds", "tier_rounds", "forced_tier_rounds")})
             row["per_repeat"].append(rep)
         row["predicted_seconds"] = row["per_repeat"][m]["predicted_seconds"]
+        row["time_check"] = _time_check(row["per_repeat"])
     return row
 
 
@@ -469,7 +484,7 @@ def run_experiment(target, drafter, tokenizer, prompts, *, grade=None, categorie
                         accuracy[b, mode] = run
             report["step2"] = {_label(b): _step2_rows(runs, costs, b, modes, cats, accuracy) for b in chosen}
             report["peak_memory"] = peak_memory()
-            report["summary"] = _attribution(report)
+            report["summary"] = _attribution(report) + _unreconciled(report)
             report["steps"].append("step2")
             _save(report, out_dir, failed, [(_heatmap, HEATMAP)])
     finally:
@@ -578,12 +593,33 @@ def _step2_cells(r: dict) -> str:
             f"{r['identical_to_vanilla']} | {sampled} |")
 
 
+_TIME_HEAD = (f" time s | first token + rounds × cost s | ratio per repeat | reconciled (closest ratio within "
+              f"{RECONCILE_FACTOR:g}×) |")
+_TIME_NOTE = (f"A row's time reconciles with its rounds when, in at least one repeat, its time is within a factor "
+              f"{RECONCILE_FACTOR:g} of its calls' first-token time + their loop rounds × that repeat's round costs "
+              f"(ratio near 1: the time is what the rounds cost; a shared machine's load moves a single repeat's "
+              f"ratio, not every repeat's); a row that does not is marked **no**.")
+
+
 def _time_cells(r: dict) -> str:
     """A row's time (the median repeat's) beside its first-token time + rounds × round costs,
-    and the ratio of the two in each repeat."""
+    the ratio of the two in each repeat, and whether the closest is within ``RECONCILE_FACTOR``."""
     ratios = " / ".join(_fmt(p["seconds"] / p["predicted_seconds"] if p["predicted_seconds"] > 0 else None, ".2f")
                         for p in r["per_repeat"])
-    return f"| {r['seconds']:.3f} | {r['predicted_seconds']:.3f} | {ratios} |"
+    check = r["time_check"]
+    verdict = f"{'yes' if check['within'] else '**no**'} ({check['ratio']:.2f}, repeat {check['repeat'] + 1})"
+    return f"| {r['seconds']:.3f} | {r['predicted_seconds']:.3f} | {ratios} | {verdict} |"
+
+
+def _unreconciled(report: dict) -> list[str]:
+    """A summary line naming the rows whose time does not reconcile with their rounds (none: no line)."""
+    rows = [f"step 1 B={b}" for b, r in report["step1"].items() if not r["time_check"]["within"]]
+    rows += [f"step 2 B={b} {m}" for b, per in report.get("step2", {}).items() for m, r in per.items()
+             if not r["time_check"]["within"]]
+    if not rows:
+        return []
+    return [f"The time of {', '.join(rows)} is not within {RECONCILE_FACTOR:g}× of its rounds × the measured round "
+            f"costs in any repeat: its timing (or its counts) does not describe the rounds that ran."]
 
 
 def _tiers_text(counts: dict | None, per_round: dict | None = None) -> str:
@@ -602,10 +638,10 @@ def _reconciliation(report: dict) -> list[str]:
           "Committed tokens = first tokens (the prefill's) + Σ tier drafted rounds × tokens per round + forced "
           "rounds' tokens less those accepted past a stop or the length limit. The time of the repeat at the "
           "median beside its calls' first-token time + their loop rounds × that repeat's round costs, and the ratio "
-          "of the two in each repeat (near 1: the time is what the rounds cost; a shared machine's load moves it).",
+          "of the two in each repeat.", "", _TIME_NOTE,
           "",
           *_head("| B | mode ", "| tokens | first + tier rounds × tokens / round + forced − dropped | forced rounds by "
-                               "tier | time s | first token + rounds × cost s | ratio per repeat |")]
+                               "tier |" + _TIME_HEAD)]
     for b, rows in report["step2"].items():
         for name, r in rows.items():
             if name == "vanilla":
@@ -676,8 +712,7 @@ def _markdown(report: dict) -> str:
           f"The adaptive policy's learned state: {settings['policy_state']}.", ""]
     if report["summary"]:
         md += ["## Summary", "", *[f"- {line}" for line in report["summary"]], ""]
-    md += ["## Step 1: thinking budget B, speculation off", "", *_head("| B ", _STEP1_HEAD + " time s | first token + "
-                                                                       "steps × cost s | ratio per repeat |")]
+    md += ["## Step 1: thinking budget B, speculation off", "", _TIME_NOTE, "", *_head("| B ", _STEP1_HEAD + _TIME_HEAD)]
     md += [f"| {b} " + _step1_cells(r) + _time_cells(r)[1:] for b, r in report["step1"].items()]
     if categorized:
         md += ["", *_category_step1(report)]

@@ -1,7 +1,8 @@
 """A small, fast run of the two-budget experiment on the built-in pair: both steps, the
 report files, the two attributions stated apart, and rows that reconcile: committed tokens
 from the tier rounds, forced rounds counted apart, the counts those of the timed calls, and
-each row's time against its rounds × the measured round costs."""
+each row's time against its rounds × the measured round costs, within the stated factor
+over the rows."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import json
 
 import pytest
 
-from eagle3_jax import builtin, generate
+from eagle3_jax import builtin, experiment, generate
 from eagle3_jax.cli import _encode, main
 from eagle3_jax.tree import TreeConfig
-
-# a row's time within this factor of its first-token time + rounds × round costs, in at least
-# one repeat (the repeats share a machine whose load moves a timing by a third or more)
 
 
 def test_experiment_writes_the_report(tmp_path, capsys):
@@ -36,7 +34,7 @@ def test_experiment_writes_the_report(tmp_path, capsys):
     assert all(r["identical_to_vanilla"] for r in rows.values())  # K never changes the tokens
     assert rows["chain4"]["tau"] > 1 and "tier_rounds" in rows["adaptive"]
     assert "sampled_accuracy_z" in rows["chain4"]
-    assert len(report["summary"]) == 1 and "Budget B=8 reduced target tokens by" in report["summary"][0]
+    assert "Budget B=8 reduced target tokens by" in report["summary"][0]
     assert "EAGLE-3" in report["summary"][0] and "3 repeats" in report["summary"][0]
     families = [t["family"] for t in builtin.eval_tasks()[:1]]  # every figure per family too (several: test_categories)
     assert list(report["settings"]["categories"]) == list(dict.fromkeys(families))
@@ -72,8 +70,21 @@ def test_experiment_writes_the_report(tmp_path, capsys):
                    speculation=TreeConfig.chain(4))
     assert (sum(res.stats["rounds"]), res.stats["forced_rounds"]) == (rows["chain4"]["rounds"], rows["chain4"]["forced_rounds"])
 
-    # each timed row's time against its first-token time + rounds × that repeat's round costs
-    # (reported, not asserted against a tolerance: a wall-clock ratio on a shared machine is not a
-    # test's to judge; under load it moved from 0.62 to 2.02 within one row)
-    for row in [*s1.values(), *rows.values()]:
+    # each timed row's time against its first-token time + rounds × the round costs measured in
+    # the same repeat, the repeat whose ratio is closest to 1: each row's verdict (within
+    # RECONCILE_FACTOR, 1.5) is reported, and the median of those ratios over the rows must be
+    # within it.  Time that counted rounds the timed calls did not run (the warm-up's, the first
+    # token's), or round costs off by 2x or more, move every row and so the median; a busy spell
+    # of a shared machine moves a row or two (at a load average of 7 on 2 cores, one row's costs
+    # were measured twice too high in all three repeats: the report marks such a row instead)
+    assert experiment.RECONCILE_FACTOR == 1.5 and "within a factor 1.5 of" in md
+    timed = [*s1.values(), *rows.values()]
+    for row in timed:
         assert all(p["seconds"] > 0 and p["predicted_seconds"] > 0 for p in row["per_repeat"])
+        check = row["time_check"]
+        assert check["within"] == (1 / 1.5 <= check["ratio"] <= 1.5)
+        assert f"{'yes' if check['within'] else '**no**'} ({check['ratio']:.2f}, repeat {check['repeat'] + 1})" in md
+    ratios = sorted(row["time_check"]["ratio"] for row in timed)
+    median = (ratios[(len(ratios) - 1) // 2] * ratios[len(ratios) // 2]) ** 0.5
+    assert 1 / 1.5 <= median <= 1.5, [[p["seconds"] / p["predicted_seconds"] for p in r["per_repeat"]] for r in timed]
+    assert len(report["summary"]) == 1 + (not all(row["time_check"]["within"] for row in timed))
