@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 from eagle3_jax import budget
+from eagle3_jax.atomic import write_atomic
 from eagle3_jax.checkpoint import DTYPES, check_output_path
 from eagle3_jax.layers import ATTENTION_IMPLS
 
@@ -388,18 +389,6 @@ def _figure_formats() -> list[str]:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return sorted(FigureCanvasBase.get_supported_filetypes())
-
-
-def write_atomic(path: Path, text: str):
-    """Writes ``text`` to ``path`` through a temporary file beside it (missing parent
-    directories created): ``path`` is either its old content or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _cmd_serve(args) -> int:

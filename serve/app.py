@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle3_jax.atomic import write_atomic
 from eagle3_jax.decode import MIN_TEMPERATURE  # below it, a request's sampling is greedy
 from eagle3_jax.serve.engine import Engine, EngineDown, Params, QueueFull
 from eagle3_jax.serve.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -968,18 +969,10 @@ class _RoundCosts:
         (the next start measures again)."""
         if self.path is None or costs is None:
             return
-        import os
-
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump({**self._read(), self.key: list(costs)}, f)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps({**self._read(), self.key: list(costs)}))
         except OSError:
             pass
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024, speculation=None,

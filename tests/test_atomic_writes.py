@@ -4,6 +4,8 @@ A failure injected at every step of the writer (a full disk: ``ENOSPC``; an inte
 a real ``SIGKILL`` of a writer at every step, and a real full disk (a small private
 tmpfs, where ``unshare`` allows one) each leave the previous export byte-for-byte in
 place, loadable, with no temporary directory left once the next save has cleaned up.
+The same for one file (``eagle3_jax.atomic.write_atomic``, which every report and data
+writer uses) and for any directory (``eagle3_jax.atomic.write_directory``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import safetensors.numpy
 from flax import nnx
 
 import eagle3_jax
-from eagle3_jax import checkpoint
+from eagle3_jax import atomic
 from eagle3_jax.config import DrafterConfig, RopeConfig, TargetConfig
 from eagle3_jax.models.drafter import Drafter
 from eagle3_jax.models.drafter import param_shapes as drafter_shapes
@@ -129,7 +131,7 @@ def test_a_symlinked_export_directory_is_replaced_behind_the_link(tmp_path, vers
 
 # ----------------------------------------------------------------- injected faults
 _PRIMITIVES = [(os, "mkdir"), (os, "chmod"), (os, "fsync"), (os, "rename"), (pathlib.Path, "write_text"),
-               (safetensors.numpy, "save_file"), (checkpoint, "_exchange")]
+               (safetensors.numpy, "save_file"), (atomic, "exchange")]
 
 
 @contextlib.contextmanager
@@ -148,7 +150,7 @@ def fault_at(n: int, make_error, exchange: bool):
 
     try:
         for owner, name, fn in saved:
-            setattr(owner, name, wrap(name, fn if exchange or name != "_exchange" else lambda a, b: False))
+            setattr(owner, name, wrap(name, fn if exchange or name != "exchange" else lambda a, b: False))
         yield calls
     finally:
         for owner, name, fn in saved:
@@ -196,7 +198,8 @@ def test_a_failure_at_any_step_leaves_the_previous_export(tmp_path, versions, ex
 _KILLER = r"""
 import json, os, pathlib, shutil, signal, sys
 import safetensors.numpy
-from eagle3_jax import checkpoint
+from eagle3_jax import atomic
+from eagle3_jax.checkpoint.save import write_checkpoint
 
 work, pristine, new, exchange = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]), sys.argv[4] == "1"
 tensors = safetensors.numpy.load_file(str(new / "model.safetensors"))
@@ -218,8 +221,8 @@ for n in range(1, 100):
         for owner, name in [(os, "mkdir"), (os, "chmod"), (os, "fsync"), (os, "rename"), (shutil, "rmtree"),
                             (pathlib.Path, "write_text"), (safetensors.numpy, "save_file")]:
             setattr(owner, name, hook(getattr(owner, name)))
-        checkpoint._exchange = hook(checkpoint._exchange) if exchange else (lambda a, b: False)
-        checkpoint._write(path, tensors, {"config.json": config})
+        atomic.exchange = hook(atomic.exchange) if exchange else (lambda a, b: False)
+        write_checkpoint(path, tensors, {"config.json": config})
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     if os.WIFEXITED(status):
@@ -248,7 +251,7 @@ def test_a_writer_killed_at_any_step_leaves_the_previous_export(tmp_path, versio
             assert not exchange
             aside = [p for p in path.parent.iterdir() if p.name.startswith(".export.old-")]
             assert len(aside) == 1 and snapshot(aside[0]) == snapshot(a)
-        checkpoint._recover(path)  # what the next save into path does first
+        atomic.recover(path)  # what the next save into path does first
         assert snapshot(path) in (snapshot(a), snapshot(b)) and leftovers(path) == [], f"killed at step {n}"
     assert snapshot(tmp_path / "1" / "export") == snapshot(a)
     eagle3_jax.load_drafter(tmp_path / "1" / "export", embed=embed)
@@ -261,7 +264,6 @@ _FULL_DISK = r"""
 import json, pathlib, shutil, sys
 import numpy as np
 import eagle3_jax
-from eagle3_jax import checkpoint
 
 disk, pristine, new, embed = (pathlib.Path(p) for p in sys.argv[1:5])
 path = disk / "export"
@@ -303,3 +305,75 @@ def test_a_full_disk_leaves_the_previous_export(tmp_path):
     name, code, message = result["error"]
     assert code == errno.ENOSPC and str(disk / "export") in message
     assert result["intact"] and result["loads"] and result["entries"] == ["export"]
+
+
+# ----------------------------------------------------------------- one file: write_atomic
+@pytest.mark.parametrize("content", ["text ✓\n", b"\x00bytes", lambda f: f.write(b"from a callback")],
+                         ids=["str", "bytes", "callback"])
+def test_write_atomic_writes_text_bytes_or_a_callback_and_creates_parents(tmp_path, content):
+    path = tmp_path / "a" / "b" / "out.txt"
+    assert atomic.write_atomic(str(path), content) == path
+    expected = content.encode() if isinstance(content, str) else content if isinstance(content, bytes) \
+        else b"from a callback"
+    assert path.read_bytes() == expected and os.listdir(path.parent) == ["out.txt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=oct)
+def test_write_atomic_gives_the_mode_open_gives(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        atomic.write_atomic(tmp_path / "f", "x")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("where", ["open", "write", "fsync", "replace"])
+@pytest.mark.parametrize("fault", ["disk-full", "interrupt"])
+def test_write_atomic_failing_at_any_step_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, where, fault):
+    path = tmp_path / "report.json"
+    path.write_text("old")
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if fault == "disk-full" else KeyboardInterrupt()
+
+    def fail(*args, **kwargs):
+        raise error
+
+    if where == "write":
+        content = fail
+    else:
+        content = "new"
+        monkeypatch.setattr(os, {"open": "open", "fsync": "fsync", "replace": "replace"}[where], fail)
+    with pytest.raises(type(error)):
+        atomic.write_atomic(path, content)
+    monkeypatch.undo()
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["report.json"]
+
+
+def test_write_atomic_refuses_other_content_before_touching_anything(tmp_path):
+    with pytest.raises(TypeError, match=r"out\.json: content must be str, bytes or a callable"):
+        atomic.write_atomic(tmp_path / "new" / "out.json", {"not": "serialised"})
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_project_writers_share_one_atomic_writer():
+    from eagle3_jax import cli, experiment
+    from eagle3_jax.train import data
+
+    assert cli.write_atomic is experiment.write_atomic is data.write_atomic is atomic.write_atomic
+
+
+# ----------------------------------------------------------------- one directory: write_directory
+def test_write_directory_failing_in_fill_leaves_the_old_directory(tmp_path):
+    path = tmp_path / "d"
+    path.mkdir()
+    (path / "keep").write_text("old")
+
+    def fill(tmp):
+        (tmp / "half").write_text("new")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError):
+        atomic.write_directory(path, fill)
+    assert snapshot(path) == {"keep": b"old"} and leftovers(path) == []
+    atomic.write_directory(path, lambda tmp: (tmp / "new").write_text("whole"))
+    assert snapshot(path) == {"new": b"whole"} and leftovers(path) == []

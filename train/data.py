@@ -12,7 +12,6 @@ process writes its own shard (:func:`shard_path`) and one process joins them
 from __future__ import annotations
 
 import json
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -21,6 +20,7 @@ import grain
 import numpy as np
 from tqdm.auto import tqdm
 
+from eagle3_jax.atomic import write_atomic
 from eagle3_jax.decode import encode_chat
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -181,29 +181,14 @@ def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens
 
 
 def save_records(records: dict, path: str | Path):
-    """Writes ``records`` (or any arrays) to the ``.npz`` file ``path`` atomically (see :func:`write_atomic`)."""
+    """Writes ``records`` (or any arrays) to the ``.npz`` file ``path`` atomically
+    (:func:`eagle3_jax.atomic.write_atomic`)."""
     write_atomic(path, lambda f: np.savez(f, **records))
 
 
 def write_json(obj, path: str | Path):
-    """Writes ``obj`` as JSON to ``path`` atomically (see :func:`write_atomic`)."""
-    write_atomic(path, lambda f: f.write(json.dumps(obj).encode()))
-
-
-def write_atomic(path: str | Path, write):
-    """``write(binary file)`` into a fresh file beside ``path`` (``.NAME.tmp-PID``), then
-    renamed over ``path``: ``path`` is the old or the new file, never a partial one, and two
-    processes never write the same temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Writes ``obj`` as JSON to ``path`` atomically (:func:`eagle3_jax.atomic.write_atomic`)."""
+    write_atomic(path, json.dumps(obj))
 
 
 def shard_range(n: int, index: int, count: int) -> range:
