@@ -79,6 +79,10 @@ def test_readme_is_a_front_door():
     text = README.read_text()
     assert len(text.splitlines()) <= 250
     assert [b.strip() for b in bash_blocks(text)[:2]] == COMMANDS
+    # issue 59: the compile plan's command and an example of its table stay in the README
+    pod = text.split("## Before you rent a pod", 1)[1].split("\n## ", 1)[0]
+    assert "eagle3-jax plan --config configs/llama31_8b.yaml --topology v5e:2x4" in pod
+    assert "compiled memory per device" in pod and "fits" in pod
 
 
 def test_every_relative_link_resolves():
