@@ -330,5 +330,16 @@ def write_figure(reports: list[dict], path: str | Path):
     ax3.set_ylim(0, 1.02)
     ax3.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def save_figure(fig, path: str | Path, **kw):
+    """Saves the matplotlib figure ``fig`` to ``path`` atomically (the format from its suffix):
+    ``path`` is its old content or the whole new figure, never a part of it."""
+    from eagle3_jax.atomic import write_atomic
+
+    fmt = Path(path).suffix.lower().lstrip(".") or None
+    write_atomic(path, lambda f: fig.savefig(f, format=fmt, **kw))

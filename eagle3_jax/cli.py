@@ -222,13 +222,7 @@ def _cmd_bench(args) -> int:
 
     if args.target is not None and args.drafter is None:
         raise ValueError("bench needs --drafter (or no --target, for the built-in pair)")
-    json_path = check_output_path(args.json, "--json")
-    figure_path = check_output_path(args.figure, "--figure")
-    if json_path.absolute() == figure_path.absolute():
-        raise ValueError(f"--json and --figure name the same file ({json_path})")
-    if figure_path.suffix.lower().lstrip(".") not in _figure_formats():
-        raise ValueError(f"--figure {figure_path}: unsupported image format {figure_path.suffix!r} "
-                         f"(use one of {', '.join('.' + f for f in _figure_formats())})")
+    json_path, figure_path = _report_outputs(args)
     if args.prompts and not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
     target, drafter, tok, is_builtin = _load_pair(args)
@@ -270,7 +264,7 @@ def _cmd_bench(args) -> int:
         doc["cost"] = _cost_report(target, drafter, prompts[0], args.tree[0] if args.tree else parse_tree("chain4"),
                                    args.max_new_tokens_sweep or [64, 440], sorted({1, args.batch_size}), mesh,
                                    _rules(args))
-        write_atomic(json_path, json.dumps(doc, indent=2) + "\n")
+        write_report(json_path, json.dumps(doc, indent=2) + "\n", "--json")
         print(f"wrote {json_path}")
         return 0
     parts: dict = {}
@@ -280,17 +274,29 @@ def _cmd_bench(args) -> int:
                          generate_kw={**_thinking_kw(args, tok), "mesh": mesh, "rules": _rules(args)})
                for max_new in (args.max_new_tokens_sweep or [_max_new_tokens(args, is_builtin=False)]) for t in temperatures]
     doc["reports"] = reports
-    text = json.dumps(doc, indent=2) + "\n"
-    try:
-        write_atomic(json_path, text)
-    except OSError as e:  # the benchmark is done: never lose it
-        print(text)
-        raise OSError(f"--json {json_path}: cannot write it ({e.strerror or e}); "
-                      "the report is on stdout instead") from None
-    figure_path.parent.mkdir(parents=True, exist_ok=True)
-    write_figure(reports, figure_path)
+    write_report(json_path, json.dumps(doc, indent=2) + "\n", "--json")
+    write_report_figure(figure_path, lambda: write_figure(reports, figure_path), json_path)
     print(f"wrote {json_path} and {figure_path}")
     return 0
+
+
+def write_report(path: Path, text: str, flag: str):
+    """Writes a finished run's report ``text`` to ``path`` atomically; where that fails, the
+    report is printed on stdout and ``OSError`` names ``flag`` (nothing finished is lost)."""
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        print(text, flush=True)
+        raise OSError(f"{flag} {path}: cannot write it ({e.strerror or e}); the report is on stdout instead") from None
+
+
+def write_report_figure(path: Path, draw, report_path: Path):
+    """``draw()`` writes the figure ``path`` (atomically); where that fails, ``OSError`` names
+    ``--figure`` and says that the report is kept in ``report_path``."""
+    try:
+        draw()
+    except OSError as e:
+        raise OSError(f"--figure {path}: cannot write it ({e.strerror or e}); the report is in {report_path}") from None
 
 
 def _budget(text: str):
@@ -385,6 +391,19 @@ def _cost_report(target, drafter, prompt, tree, max_news, batches, mesh=None, ru
                                                     "batches": [b for b in by_batch if cost.on_mesh(mesh, b, rules)]}}
 
 
+def _report_outputs(args) -> tuple[Path, Path]:
+    """bench's and replay's ``--json`` and ``--figure``, checked before any work: writable
+    paths of the right kind, not the same file, an image format matplotlib writes."""
+    json_path = check_output_path(args.json, "--json")
+    figure_path = check_output_path(args.figure, "--figure")
+    if json_path.absolute() == figure_path.absolute():
+        raise ValueError(f"--json and --figure name the same file ({json_path})")
+    if figure_path.suffix.lower().lstrip(".") not in _figure_formats():
+        raise ValueError(f"--figure {figure_path}: unsupported image format {figure_path.suffix!r} "
+                         f"(use one of {', '.join('.' + f for f in _figure_formats())})")
+    return json_path, figure_path
+
+
 def _figure_formats() -> list[str]:
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -402,10 +421,7 @@ def _cmd_serve(args) -> int:
 def _cmd_replay(args) -> int:
     from eagle3_jax.serve.replay import replay_main
 
-    json_path = check_output_path(args.json, "--json")
-    figure_path = check_output_path(args.figure, "--figure")
-    if json_path.absolute() == figure_path.absolute():
-        raise ValueError(f"--json and --figure name the same file ({json_path})")
+    json_path, figure_path = _report_outputs(args)
     if args.target is not None and args.drafter is None:
         raise ValueError("replay needs --drafter (or no --target, for the built-in pair)")
     target, drafter, tok, is_builtin = _load_pair(args)

@@ -179,6 +179,8 @@ def write_figure(report: dict, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from eagle3_jax.bench import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in report["modes"].items():
         rates = [r["rate"] for r in rows]
@@ -193,15 +195,17 @@ def write_figure(report: dict, path):
     axes[1].set(xlabel="arrival rate (requests/s)", ylabel="generated tokens/s", title="throughput")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def replay_main(args, target, drafter, tokenizer, is_builtin: bool, json_path, figure_path) -> int:
     """``eagle3-jax replay``."""
     from eagle3_jax import builtin
     from eagle3_jax.bench import parse_tree
-    from eagle3_jax.cli import write_atomic
+    from eagle3_jax.cli import write_report, write_report_figure
     from eagle3_jax.serve.app import server_settings
 
     if tokenizer is None:
@@ -216,9 +220,8 @@ def replay_main(args, target, drafter, tokenizer, is_builtin: bool, json_path, f
     import jax
 
     report["device"] = jax.devices()[0].device_kind
-    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
-    figure_path.parent.mkdir(parents=True, exist_ok=True)
-    write_figure(report, figure_path)
-    print(table(report))
+    print(table(report), flush=True)
+    write_report(json_path, json.dumps(report, indent=2) + "\n", "--json")
+    write_report_figure(figure_path, lambda: write_figure(report, figure_path), json_path)
     print(f"wrote {json_path} and {figure_path}")
     return 0

@@ -264,6 +264,113 @@ def test_bench_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch,
     assert json.loads(captured.out)["reports"] == [REPORT]
 
 
+
+def _failing_savefig(monkeypatch):
+    """``Figure.savefig`` that writes part of a figure into its target and then fails (a full disk)."""
+    from matplotlib.figure import Figure
+
+    def savefig(self, fname, **kw):
+        if hasattr(fname, "write"):
+            fname.write(b"PART")
+        else:
+            Path(fname).write_bytes(b"PART")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+
+
+def test_bench_figure_is_written_atomically(tmp_path, capsys, monkeypatch, fake_bench):
+    """A figure whose write fails leaves the old one whole; the error names --figure and the
+    report (written first) is kept."""
+    out, fig = tmp_path / "r.json", tmp_path / "f.png"
+    fig.write_bytes(b"OLD FIGURE")
+    _failing_savefig(monkeypatch)
+    err = _one_line_error(capsys, ["bench", "--target", "t", "--drafter", "d", "--num-prompts", "1", "--json", out,
+                                   "--figure", fig], "--figure", "No space left", str(out))
+    assert fig.read_bytes() == b"OLD FIGURE", err
+    assert json.loads(out.read_text())["reports"] == [REPORT]
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_bench_cost_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch, fake_bench):
+    """bench --cost: a report that cannot be written goes to stdout, the error names --json."""
+    out = tmp_path / "out" / "r.json"
+
+    def cost_report(*args, **kw):
+        (tmp_path / "out").write_text("in the way")
+        return {"rows": [1, 2]}
+
+    monkeypatch.setattr(cli, "_cost_report", cost_report)
+    monkeypatch.setattr(cli, "_mesh", lambda args, *rest: None)
+    rc = main(["bench", "--target", "t", "--drafter", "d", "--num-prompts", "1", "--cost", "--json", str(out),
+               "--figure", str(tmp_path / "f.png")])
+    captured = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "--json" in captured.err and "report is on stdout" in captured.err
+    assert json.loads(captured.out)["cost"] == {"rows": [1, 2]}
+
+
+REPLAY_REPORT = {"rates": [1.0], "ttft_slo_s": 1.0, "tpot_slo_s": 0.05, "crossover_rate": None,
+                 "modes": {"vanilla": [{"rate": 1.0, "goodput": 0.5, "tokens_per_second": 10.0,
+                                        "tpot_s": {"p50": 0.01}}]}}
+
+
+@pytest.fixture
+def fake_replay(monkeypatch):
+    """replay with its models and load stubbed out (the output handling is real); ``in_the_way``
+    set to a path makes the run put a file there (an output directory gone when it ends)."""
+    from eagle3_jax.serve import replay
+
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=16, max_position_embeddings=64))
+    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, object(), object(), True))
+    state = SimpleNamespace(in_the_way=None, runs=0)
+
+    def run(*args, **kw):
+        state.runs += 1
+        if state.in_the_way is not None:
+            state.in_the_way.write_text("in the way")
+        return json.loads(json.dumps(REPLAY_REPORT))
+
+    monkeypatch.setattr(replay, "replay", run)
+    return state
+
+
+def test_replay_checks_its_outputs_before_running(tmp_path, capsys, fake_replay):
+    (tmp_path / "afile").write_text("x")
+    for argv, named in ((["--json", tmp_path], ["--json", "is a directory"]),
+                        (["--json", tmp_path / "afile" / "r.json"], ["--json", "afile", "not a directory"]),
+                        (["--json", tmp_path / "r.json", "--figure", tmp_path / "afile" / "f.png"], ["--figure", "afile"]),
+                        (["--json", tmp_path / "r.json", "--figure", tmp_path / "f.xyz"], ["--figure", "'.xyz'"])):
+        _one_line_error(capsys, ["replay", "--rate", "1", *argv], *named)
+    assert fake_replay.runs == 0
+
+
+def test_replay_report_survives_an_unwritable_json(tmp_path, capsys, fake_replay):
+    """The output directory is fine when checked but a file once the load has run: the report
+    goes to stdout (its table too) and the one-line error says so."""
+    out = tmp_path / "out" / "r.json"
+    fake_replay.in_the_way = tmp_path / "out"
+    rc = main(["replay", "--rate", "1", "--json", str(out), "--figure", str(tmp_path / "f.png")])
+    captured = capsys.readouterr()
+    assert rc == 2 and fake_replay.runs == 1, captured.err
+    assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "--json" in captured.err and "report is on stdout" in captured.err
+    printed = captured.out[captured.out.index("{"):]
+    assert json.loads(printed)["modes"] == REPLAY_REPORT["modes"]
+    assert "| vanilla |" in captured.out
+
+
+def test_replay_writes_its_outputs_atomically(tmp_path, capsys, monkeypatch, fake_replay):
+    out, fig = tmp_path / "r.json", tmp_path / "f.png"
+    assert main(["replay", "--rate", "1", "--json", str(out), "--figure", str(fig)]) == 0
+    assert json.loads(out.read_text())["modes"] == REPLAY_REPORT["modes"] and fig.read_bytes()[:4] == b"\x89PNG"
+    fig.write_bytes(b"OLD FIGURE")
+    _failing_savefig(monkeypatch)
+    _one_line_error(capsys, ["replay", "--rate", "1", "--json", out, "--figure", fig], "--figure", "No space left",
+                    str(out))
+    assert fig.read_bytes() == b"OLD FIGURE" and not list(tmp_path.glob(".*tmp*"))
+
+
 def test_compile_cache_is_per_user_bounded_and_overridable(tmp_path, monkeypatch, capsys):
     """serve, replay, generate, bench and experiment keep compiled programs in a per-user
     directory by default (bounded, so JAX locks it between processes); $JAX_COMPILATION_CACHE_DIR
