@@ -530,8 +530,11 @@ def available() -> bool:
 def load(dtype: str = "float32", attention_impl: str = "xla"):
     """``(target, drafter, tokenizer)`` of the built-in pair (float32 compute by default: on a
     CPU bfloat16 matmuls are slower, the shipped weights are bfloat16); ``attention_impl`` as
-    in :func:`eagle3_jax.load_target`."""
-    from transformers import AutoTokenizer
+    in :func:`eagle3_jax.load_target`.  The tokenizer is the fast one of ``tokenizer.json``
+    (``PreTrainedTokenizerFast``, what ``AutoTokenizer`` picks for it, without the model
+    configuration classes that ``AutoTokenizer`` imports, and torch with them: seconds of a
+    server's start)."""
+    from transformers import PreTrainedTokenizerFast
 
     from eagle3_jax.checkpoint import load_drafter, load_target
 
@@ -539,4 +542,4 @@ def load(dtype: str = "float32", attention_impl: str = "xla"):
         raise FileNotFoundError(f"the built-in pair is missing under {ASSETS}; rebuild it with `python -m eagle3_jax.train.builtin`")
     target = load_target(TARGET_DIR, dtype=dtype, attention_impl=attention_impl)
     drafter = load_drafter(DRAFTER_DIR, target=target, dtype=dtype)
-    return target, drafter, AutoTokenizer.from_pretrained(str(TARGET_DIR), local_files_only=True)
+    return target, drafter, PreTrainedTokenizerFast.from_pretrained(str(TARGET_DIR), local_files_only=True)

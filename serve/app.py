@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import gc
 import json
 import secrets
 import threading
@@ -53,6 +54,7 @@ MAX_STOP, MAX_STOP_CHARS = 16, 256
 MAX_STOP_IDS = 8  # stop ids a request may add to the target's EOS (the slots' max_stop_ids: build passes it)
 EFFORTS = ("low", "medium", "high")
 TOKENIZE_WORKERS = 2  # threads that tokenize prompts and apply chat templates
+WARMUP_GC_THRESHOLD = 100_000  # the collector's first threshold while serve warms up (Python's default: 700)
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -975,6 +977,46 @@ class _RoundCosts:
             pass
 
 
+def memory_bytes() -> int | None:
+    """The memory of the first JAX device (its allocator's limit), or this machine's physical
+    memory for the CPU; None where neither is known."""
+    import os
+
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        return stats.get("bytes_limit")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(target, drafter, max_batch: int, max_len: int, memory: int | None = None):
+    """``ValueError`` naming ``--max-batch`` and ``--max-len`` when the slots' KV caches (the
+    target's and the drafter's, as allocated) alone exceed the device's memory
+    (:func:`memory_bytes`): refused before anything is allocated, not an allocation failure
+    (or the machine swapping) in the middle of the warm-up."""
+    import math
+
+    import jax
+
+    def cache_bytes(model):
+        if model is None or not hasattr(model, "init_cache"):
+            return 0
+        shapes = jax.eval_shape(lambda: model.init_cache(max_batch, max_len))
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    memory = memory_bytes() if memory is None else memory
+    need = cache_bytes(target) + cache_bytes(drafter)
+    if memory is not None and need > memory:
+        raise ValueError(f"--max-batch {max_batch} x --max-len {max_len}: the slots' KV caches take "
+                         f"{need / 2 ** 30:,.2f} GiB, more than the device's {memory / 2 ** 30:,.2f} GiB; "
+                         f"lower --max-batch or --max-len")
+
+
 def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024, speculation=None,
           max_queue: int = 64, rounds_per_dispatch: int = 16, dispatch_ms: float | None = None,
           model_name: str = "eagle3-jax", temperature: float = 1.0,
@@ -986,8 +1028,9 @@ def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024
     ``warmup`` compiles the engine's programs on a short request before serving (and bounds
     the rounds per dispatch by ``dispatch_ms``: ``eagle3_jax.serve.engine.Engine``).
     ``max_body_bytes``: the largest request body read (default :func:`body_byte_limit`);
-    ``defer_warmup``: the dispatches of more than one row are compiled by the engine thread
-    while it has no request (``Engine.warmup(defer=True)``).
+    ``defer_warmup``: the dispatches of more than one row and the prefills of all but the
+    smallest prompt bucket are compiled by the engine thread while it has no request
+    (``Engine.warmup(defer=True)``).
 
     ``background``: the engine is built and warmed up once the app starts (a :class:`Startup`:
     ``/health`` says ``warming_up`` until then), not before this returns.  ``progress(done,
@@ -997,6 +1040,7 @@ def build(target, drafter, tokenizer, *, max_batch: int = 8, max_len: int = 1024
 
     if tokenizer is None:
         raise ValueError("serving needs the target's tokenizer (tokenizer.json in the target directory)")
+    check_cache_fits(target, drafter, max_batch, max_len)
     metrics = Metrics(model_name)
     chars = prompt_char_limit(tokenizer, max_len)  # max_len bounds the slots' longest prompt
     cfg = ServerConfig(model_name, target.config.vocab_size, temperature, tuple(effort_budgets), MAX_STOP_IDS, chars,
@@ -1099,6 +1143,7 @@ def serve_main(args, target, drafter, tokenizer, is_builtin: bool) -> int:
                   flush=True)
 
     def ready(_):
+        gc.set_threshold(*thresholds)
         left = counts[1] - counts[0]
         print(f"ready in {time.monotonic() - started:.1f} s" + (
             f" ({left} more programs compile while no request runs)" if left else ""), flush=True)
@@ -1106,9 +1151,15 @@ def serve_main(args, target, drafter, tokenizer, is_builtin: bool) -> int:
     server: uvicorn.Server | None = None
 
     def failed(_):
+        gc.set_threshold(*thresholds)
         if server is not None:
             server.should_exit = True
 
+    # the models and libraries, loaded for good, leave the collector's scans; the warm-up's tracing
+    # (millions of short-lived objects, no cycles worth a full scan) runs with a rarer collection
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(thresholds[0], WARMUP_GC_THRESHOLD), *thresholds[1:])
     app = build(target, drafter, tokenizer, speculation=spec, model_name=name, defer_warmup=True, background=True,
                 progress=progress, on_ready=ready, on_error=failed, **kw)
     what = "vanilla decoding" if drafter is None else (

@@ -198,6 +198,16 @@ class Engine:
         s = self.slots
         return [("dispatch", rows) for rows in s.row_buckets()] + [("prefill", n) for n in s.warm_buckets()]
 
+    def deferred_steps(self) -> list[tuple[str, int]]:
+        """The steps ``warmup(defer=True)`` leaves to the engine thread, in the order it compiles
+        them: every step but the one-row dispatch and the smallest prefill, a prefill and a
+        dispatch in turn, smallest first (a longer prompt and a larger batch alike wait for
+        none but the programs before theirs)."""
+        steps = self.warmup_steps()
+        dispatches = [st for st in steps if st[0] == "dispatch"][1:]
+        prefills = [st for st in steps if st[0] == "prefill"][1:]
+        return [st for pair in itertools.zip_longest(prefills, dispatches) for st in pair if st is not None]
+
     @property
     def deferred(self) -> int:
         """Warm-up programs left to the engine thread (``warmup(defer=True)``), not yet compiled."""
@@ -212,15 +222,16 @@ class Engine:
         for one); then bounds the rounds per dispatch by ``dispatch_ms`` (``max_rounds``).
         ``progress(done, total, what)`` is called after each of :meth:`warmup_steps`.
 
-        ``defer``: the dispatches of more than one row are left to the engine thread, which
-        compiles them one at a time, fewest rows first, while it has no request
-        (:attr:`deferred`): the engine starts serving sooner, and a request that arrives during
-        one, or needs one not compiled yet, waits for it (after a first start it comes from the
-        persistent compilation cache: seconds).  Call before :meth:`start`."""
+        ``defer``: only the dispatch of one row and the prefill of the smallest prompt bucket
+        are compiled here; the rest (:meth:`deferred_steps`) is left to the engine thread, which
+        compiles them one at a time, smallest first, while it has no request (:attr:`deferred`):
+        the engine starts serving sooner, and a request that arrives during one, or needs one
+        not compiled yet, waits for it (after a first start it comes from the persistent
+        compilation cache: a second or less).  Call before :meth:`start`."""
         if self._thread.is_alive():
             raise RuntimeError("warmup() runs before start(): the engine thread owns the slots")
         steps = self.warmup_steps()
-        later = [st for st in steps if defer and st[0] == "dispatch" and st[1] > 1]
+        later = self.deferred_steps() if defer else []
         self._warm_args = (list(prompt_ids), progress, len(steps))
         for i, step in enumerate(st for st in steps if st not in later):
             self._warm(step, cycles if i == 0 else 1)  # the states' kinds are settled after the first

@@ -279,6 +279,39 @@ def test_health_says_warming_up_until_the_engine_is_built(tok):
         assert _post(srv, {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+class BucketSlots(FakeSlots):
+    """FakeSlots with prompt buckets of 8, 16 and 32 tokens."""
+
+    def warm_buckets(self):
+        return [8, 16, 32]
+
+    def prompt_bucket(self, prompt_len: int) -> int:
+        return next(b for b in self.warm_buckets() if prompt_len <= b)
+
+
+def test_deferred_warm_up_leaves_the_larger_prompt_buckets_to_the_engine_thread(tok):
+    """``warmup(defer=True)`` compiles the one-row dispatch and the smallest prefill before
+    the engine serves; the other prefills and dispatches follow on the engine thread while it
+    is idle, a prefill and a dispatch in turn, smallest first (every one counted of the total)."""
+    slots = BucketSlots(tok.convert_tokens_to_ids("x"), tok.eos_token_id, num_slots=8, max_len=64)
+    seen = []
+    engine = Engine(slots, tok, max_queue=4)
+    engine.warmup([1, 2], progress=lambda done, total, what: seen.append((done, total, what)), defer=True)
+    assert seen == [(1, 7, "dispatch of 1 rows"), (2, 7, "prefill of 8-token prompts")]
+    assert engine.deferred == 5 and [len(p) for p, _ in slots.inserts][-1] == 8
+    engine.start()
+    try:
+        for _ in range(400):
+            if engine.deferred == 0 and len(seen) == 7:
+                break
+            time.sleep(0.01)
+        assert seen[2:] == [(3, 7, "prefill of 16-token prompts"), (4, 7, "dispatch of 2 rows"),
+                            (5, 7, "prefill of 32-token prompts"), (6, 7, "dispatch of 4 rows"),
+                            (7, 7, "dispatch of 8 rows")]
+    finally:
+        engine.shutdown()
+
+
 def test_deferred_warm_up_compiles_while_no_request_runs(tok):
     """``warmup(defer=True)`` compiles the one-row dispatch and the prefills at once, the
     dispatches of more rows on the engine thread while it is idle; the progress counts every

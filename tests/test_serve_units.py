@@ -190,6 +190,24 @@ def test_serve_refuses_a_busy_port_before_loading(capsys):
     assert f"--port {port}" in err and "cannot listen" in err
 
 
+def test_serve_refuses_slots_whose_caches_exceed_the_memory(capsys):
+    """--max-batch x --max-len whose KV caches alone exceed the device's memory: one line
+    naming both and the sizes, before any cache is allocated (not an allocation failure, or
+    a machine swapping, in the warm-up); sizes that fit pass the check."""
+    from eagle3_jax import builtin, cli
+    from eagle3_jax.serve.app import check_cache_fits
+
+    assert cli.main(["serve", "--max-batch", "1000000", "--port", "0", "--compile-cache", "off"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "--max-batch 1000000" in err and "--max-len" in err and "GiB" in err, err
+    target, drafter, _ = builtin.load()
+    check_cache_fits(target, drafter, 8, 512)
+    with pytest.raises(ValueError, match="--max-batch 2 x --max-len 64"):
+        check_cache_fits(target, drafter, 2, 64, memory=1 << 20)
+    check_cache_fits(target, drafter, 2, 64, memory=1 << 30)
+
+
 class _RecordingSlots:
     """A stand-in for ``decode.Slots`` (one slot, a request of ``n`` tokens, one per program):
     records the engine's calls; ``poll(lag=1)`` shows the program before the last, as Slots does."""
@@ -288,3 +306,19 @@ def test_an_abandoned_request_is_cancelled_while_its_tokens_flow():
     req, err = asyncio.run(main())
     assert err.status == 499 and req.cancelled
 
+
+
+def test_the_built_in_pair_loads_without_torch():
+    """The server's start loads the built-in pair and its tokenizer without importing torch
+    (seconds of every start; the library never needs it): in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from eagle3_jax import builtin; import eagle3_jax.serve.app; "
+            "t, d, tok = builtin.load(); assert tok.encode('Hello'), 'no tokens'; "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False", "the start imported torch"
