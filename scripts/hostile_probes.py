@@ -13,7 +13,8 @@ limits, sends each probe and classifies its outcome as one of
 * ``crash``: a 5xx, a dead server, a traceback or an internal error; ``hang``: no answer in time.
 
 Prints one line per probe and the counts; exits 1 if any probe is neither a clear error nor
-correct.  The ``plan`` and ``experiment`` commands are not probed here.
+correct.  ``plan`` and ``experiment`` are probed on inputs refused before any long work
+(and ``plan``'s estimate on a shipped config).
 
 Usage::
 
@@ -659,6 +660,89 @@ CLI = [
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--temperature", "0", "-0.5"], ["--temperature", ">= 0"]),
     (["bench", "--json", "{dir}"], ["--json", "directory"]),
+    # plan: the config, sizes, meshes, overrides (it estimates in seconds; --topology compiles)
+    (["plan"], ["--config"]),
+    (["plan", "--config", "/nope.yaml"], ["--config", "/nope.yaml"]),
+    (["plan", "--config", "{dir}/bad.yaml"], ["--config", "bad.yaml", "YAML"]),
+    (["plan", "--config", "{dir}/list.yaml"], ["--config", "list.yaml", "mapping"]),
+    (["plan", "--config", "{root}/configs/llama31_8b.yaml"], ["mesh", "data=-1", "--mesh"]),
+    (["plan", "--config", "{root}/configs/llama31_8b.yaml", "--mesh", "data=2,fsdp=4"], None),
+    (["plan", "--config", "{tiny}", "--device-memory", "0.5B"], ["device memory", "0.5B"]),
+    (["plan", "--config", "{tiny}", "--device-memory", "0"], ["device memory", "'0'"]),
+    (["plan", "--config", "{tiny}", "--device-memory", "-1GiB"], ["--device-memory", "--device-memory=VALUE"]),
+    (["plan", "--config", "{tiny}", "--device-memory", "16XB"], ["device memory", "16XB"]),
+    (["plan", "--config", "{tiny}", "--device-memory", "nan"], ["device memory", "nan"]),
+    (["plan", "--config", "{tiny}", "--device-memory", "1e400GiB"], ["device memory", "1e400GiB"]),
+    (["plan", "--config", "{tiny}", "--mesh", "data=0"], ["mesh", "data=0", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--mesh", "data=-2"], ["mesh", "data=-2"]),
+    (["plan", "--config", "{tiny}", "--mesh", "data=x"], ["mesh", "data=x"]),
+    (["plan", "--config", "{tiny}", "--mesh", "bogus=2"], ["mesh", "bogus"]),
+    (["plan", "--config", "{tiny}", "--batch", "0"], ["--batch", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--batch", "-1"], ["--batch", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--seq-len", "0"], ["--seq-len", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--seq-len", "-5"], ["--seq-len", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--seq-len", "1.5"], ["--seq-len", "integer"]),
+    (["plan", "--config", "{tiny}", "--tau", "0"], ["--tau", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--tau", "-1"], ["--tau", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--tau", "nan"], ["--tau", "finite"]),
+    (["plan", "--config", "{tiny}", "--prompt-len", "-1"], ["--prompt-len", ">= 1"]),
+    (["plan", "--config", "{tiny}", "--target-config", "/nope.json"], ["--target-config", "/nope.json"]),
+    (["plan", "--config", "{tiny}", "--target-config", "{dir}/bad.json"], ["bad.json", "JSON"]),
+    (["plan", "--config", "{tiny}", "--topology", "v9z:2x2"], ["--topology", "v9z"]),
+    (["plan", "--config", "{tiny}", "--topology", "v5e:2x4", "--json", "{dir}"], ["--json", "directory"]),
+    (["plan", "--config", "{tiny}", "bogus_key=1"], ["bogus_key"]),
+    (["plan", "--config", "{tiny}", "seq_len=-1"], ["seq_len", ">= 2"]),
+    (["plan", "--config", "{tiny}", "seq_len=abc"], ["seq_len", "integer"]),
+    (["plan", "--config", "{tiny}", "fit.batch_size=0"], ["fit.batch_size", ">= 1"]),
+    # experiment: refused before its first step (outputs, counts, rates, prompts)
+    (["experiment", "--budgets", "-1"], ["--budgets", ">= 0"]),
+    (["experiment", "--budgets"], ["--budgets"]),
+    (["experiment", "--repeats", "0"], ["--repeats", ">= 1"]),
+    (["experiment", "--repeats", "-1"], ["--repeats", ">= 1"]),
+    (["experiment", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),
+    (["experiment", "--num-prompts", "-3"], ["--num-prompts", ">= 1"]),
+    (["experiment", "--batch-size", "0"], ["--batch-size", ">= 1"]),
+    (["experiment", "--sampled-temperature", "-1"], ["--sampled-temperature", ">= 0"]),
+    (["experiment", "--sampled-temperature", "nan"], ["--sampled-temperature", "finite"]),
+    (["experiment", "--replay-rates", "0"], ["--replay-rates", "> 0"]),
+    (["experiment", "--replay-rates", "-2"], ["--replay-rates", "> 0"]),
+    (["experiment", "--replay-rates", "nan"], ["--replay-rates", "finite"]),
+    (["experiment", "--replay-requests", "0"], ["--replay-requests", ">= 1"]),
+    (["experiment", "--out", "{file}"], ["--out", "not a directory"]),
+    (["experiment", "--out", "{file}/x"], ["--out", "not a directory"]),
+    (["experiment", "--out", "{dir}/outdir"], ["report.json", "directory"]),
+    (["experiment", "--tree", "chain0"], ["--tree", "chain0"]),
+    (["experiment", "--prompts", "/nope.json", "--out", "{dir}/o1"], ["/nope.json"]),
+    (["experiment", "--prompts", "{dir}/emptylist.json", "--out", "{dir}/o2"], ["emptylist.json", "non-empty"]),
+    (["experiment", "--prompts", "{dir}/bad.json", "--out", "{dir}/o3"], ["bad.json", "prompts"]),
+    (["experiment", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+    (["experiment", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 1"]),
+    (["experiment", "--top-p", "2"], ["--top-p", "<= 1"]),
+    (["experiment", "--thinking-budget", "-4"], ["--thinking-budget", ">= 0"]),
+    (["experiment", "--target", "/nope"], ["--drafter"]),
+    # bench and replay outputs (checked before anything loads), counts and sizes
+    (["replay", "--rate", "1", "--json", "{dir}"], ["--json", "directory"]),
+    (["replay", "--rate", "1", "--figure", "{dir}/f.xyz"], ["--figure", "'.xyz'"]),
+    (["replay", "--rate", "1", "--json", "{file}/r.json"], ["--json", "not a directory"]),
+    (["replay", "--rate", "1", "--json", "{dir}/same.png", "--figure", "{dir}/same.png"], ["--json", "--figure"]),
+    (["replay", "--rate", "1", "--requests", "-3"], ["--requests", ">= 1"]),
+    (["replay", "--rate", "1", "--max-tokens", "0"], ["--max-tokens", ">= 1"]),
+    (["replay", "--rate", "1", "--ttft-slo", "-1"], ["--ttft-slo", "> 0"]),
+    (["replay", "--rate", "1", "--max-batch", "1000000"], ["--max-batch 1000000", "--max-len", "GiB"]),
+    (["bench", "--figure", "{dir}/f.xyz"], ["--figure", "'.xyz'"]),
+    (["bench", "--json", "{file}/r.json"], ["--json", "not a directory"]),
+    (["bench", "--num-prompts", "-3"], ["--num-prompts", ">= 1"]),
+    (["bench", "--repeats", "-1"], ["--repeats", ">= 1"]),
+    (["bench", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 1"]),
+    (["bench", "--batch-size", "-2"], ["--batch-size", ">= 1"]),
+    # numeric limits: huge values (refused by what they exceed), negatives after a space
+    (["serve", "--max-batch", "1000000", "--port", "0"], ["--max-batch 1000000", "--max-len", "GiB"]),
+    (["serve", "--max-queue", "1e3"], ["--max-queue", "integer"]),
+    (["serve", "--dispatch-ms", "-5"], ["--dispatch-ms", "> 0"]),
+    (["serve", "--max-len", "-1"], ["--max-len", ">= 2"]),
+    (["generate", "--prompt-ids", "1", "--max-new-tokens", "1000000000", "--no-compare"],
+     ["max_new_tokens", "1000000000", "max_position_embeddings"]),
+    (["generate", "--prompt-ids", "1", "--top-k", "1000000000", "--no-compare"], ["top_k", "1000000000"]),
     (["generate", "-5", "--max-new-tokens", "24", "--no-compare"], None),
     (["generate", "Start at 3 and add 2, 3 times.", "--max-new-tokens", "40", "--no-compare"], None),
 ]
@@ -666,8 +750,13 @@ CLI = [
 
 def run_cli(tmp: Path):
     (tmp / "a_file").write_text("")
+    (tmp / "bad.yaml").write_text('"a: [1')
+    (tmp / "list.yaml").write_text("- 1\n")
+    (tmp / "bad.json").write_text("{\n")
+    (tmp / "emptylist.json").write_text("[]")
+    (tmp / "outdir" / "report.json").mkdir(parents=True, exist_ok=True)  # a directory where a report goes
     for argv, words in CLI:
-        argv = [a.format(file=tmp / "a_file", dir=tmp) for a in argv]
+        argv = [a.format(file=tmp / "a_file", dir=tmp, root=ROOT, tiny=ROOT / "configs" / "tiny.yaml") for a in argv]
         rc, out, err = cli_run(argv)
         name = " ".join(repr(a) if not a or " " in a or not a.isprintable() else a for a in argv)
         if rc is None:
@@ -689,17 +778,22 @@ def run_cli(tmp: Path):
 
 
 def run_startup(logs: Path) -> dict:
-    """A first and a second start of the default ``eagle3-jax serve`` on a fresh cache: seconds
-    from launch to ``/health`` ok, the server's CPU seconds by then, and the machine's load."""
+    """A first and a second start of the default ``eagle3-jax serve`` on a fresh cache
+    (``scripts/serve_startup.py``'s): seconds from launch to ``/health`` ok, the server's CPU
+    seconds by then, and the machine's load."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_startup import start
+
     cache = Path(tempfile.mkdtemp(prefix="eagle3-probe-startup-"))
     try:
         times = {}
         for which in ("first", "second"):
-            with Server(cache, log=logs / f"startup_{which}.log") as srv:
-                times[which] = {"ready_s": round(srv.ready_s, 1), "cpu_s": srv.ready_cpu_s,
-                                "load": round(os.getloadavg()[0], 1)}
-            print(f"{which} start of eagle3-jax serve: ready in {srv.ready_s:.1f} s ({srv.ready_cpu_s:.1f} s of CPU; "
-                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+            res = start(cache, logs / f"startup_{which}.log")
+            if res["ready_s"] is None:
+                raise RuntimeError(f"the {which} start was not ready: {res.get('error')}")
+            times[which] = {"ready_s": res["ready_s"], "cpu_s": res["cpu_s"], "uptime": res["uptime_after"]}
+            print(f"{which} start of eagle3-jax serve: ready in {res['ready_s']:.1f} s ({res['cpu_s']:.1f} s of CPU; "
+                  f"{res['uptime_after']})", flush=True)
         return times
     finally:
         shutil.rmtree(cache, ignore_errors=True)

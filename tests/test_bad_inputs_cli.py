@@ -339,7 +339,8 @@ def test_replay_checks_its_outputs_before_running(tmp_path, capsys, fake_replay)
     (tmp_path / "afile").write_text("x")
     for argv, named in ((["--json", tmp_path], ["--json", "is a directory"]),
                         (["--json", tmp_path / "afile" / "r.json"], ["--json", "afile", "not a directory"]),
-                        (["--json", tmp_path / "r.json", "--figure", tmp_path / "afile" / "f.png"], ["--figure", "afile"]),
+                        (["--json", tmp_path / "r.json", "--figure", tmp_path / "afile" / "f.png"],
+                         ["--figure", "afile"]),
                         (["--json", tmp_path / "r.json", "--figure", tmp_path / "f.xyz"], ["--figure", "'.xyz'"])):
         _one_line_error(capsys, ["replay", "--rate", "1", *argv], *named)
     assert fake_replay.runs == 0
