@@ -37,7 +37,11 @@ def describe_checkpoint(path: Path) -> dict:
             "kind": "EAGLE-3 drafter",
             "architectures": raw.get("architectures"),
             "hidden_size": cfg.hidden_size,
-            "fc_in_features": 3 * cfg.target_hidden_size,
+            "layout": cfg.layout,
+            "layers": f"{cfg.num_layers} {cfg.layer_family}",
+            "switches": [n for n in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+                         if getattr(cfg, n)] or "none",
+            "fc_in_features": cfg.fused_width,
             "target_hidden_size": cfg.target_hidden_size,
             "vocab_size": cfg.vocab_size,
             "draft_vocab_size": cfg.draft_vocab_size,
@@ -124,6 +128,19 @@ def _encode(tok, text: str, raw: bool = False) -> list[int]:
     from eagle3_jax.decode import encode_chat
 
     return encode_chat(tok, [{"role": "user", "content": text}]) if tok.chat_template and not raw else tok.encode(text)
+
+
+def _cmd_convert(args) -> int:
+    """Re-saves a drafter directory in another layout (official <-> speculators)."""
+    import eagle3_jax
+    from eagle3_jax.checkpoint.load import read_target_embedding
+
+    embed = None if args.target is None else read_target_embedding(args.target)
+    drafter = eagle3_jax.load_drafter(args.path, embed=embed)
+    verifier = args.target if args.to == "speculators" else None
+    out = eagle3_jax.save_drafter(drafter, args.out, dtype=args.dtype, format=args.to, verifier=verifier)
+    print(f"wrote {out} ({args.to} layout, {args.dtype})")
+    return 0
 
 
 def _cmd_generate(args) -> int:
@@ -845,6 +862,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     info.set_defaults(func=_cmd_info)
+
+    conv = sub.add_parser("convert", help="re-save an EAGLE-3 drafter in the official or vLLM speculators layout")
+    conv.add_argument("path", type=_path, help="the drafter directory (official, SpecForge/SGLang/vLLM or speculators)")
+    conv.add_argument("out", type=_path, help="the directory to write (replaced whole)")
+    conv.add_argument("--to", choices=("official", "speculators"), required=True, help="the layout to write")
+    conv.add_argument("--target", type=_path, default=None,
+                      help="the target directory: its embedding where the drafter has none of its own, and "
+                           "the verifier a speculators export names")
+    conv.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
+    conv.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
+    conv.set_defaults(func=_cmd_convert)
 
     temperature = _number(float, "temperature", lo=0.0)
     gen = sub.add_parser("generate", help="answer a prompt with EAGLE-3 (the built-in pair by default) and "

@@ -30,8 +30,9 @@ def normal(stddev: float) -> Callable:
 
 
 def fan_in_normal(next_key, shape, dtype):
-    """Normal(0, 1/fan_in) with ``fan_in = shape[0]`` (Flax layout ``[in, out]``)."""
-    return (jax.random.normal(next_key(), shape) / jnp.sqrt(shape[0])).astype(dtype)
+    """Normal(0, 1/fan_in) with ``fan_in = shape[-2]`` (Flax layout ``[in, out]``, stacked
+    layers first)."""
+    return (jax.random.normal(next_key(), shape) / jnp.sqrt(shape[-2])).astype(dtype)
 
 
 def ones(next_key, shape, dtype):
@@ -40,6 +41,11 @@ def ones(next_key, shape, dtype):
 
 def zeros(next_key, shape, dtype):
     return jnp.zeros(shape, dtype)
+
+
+# Logical axes along which a parameter is stored as one tensor per entry: decoder layers, and
+# the captured target layers of a drafter's per-feature norms.
+STACKED_AXES = ("layers", "captured")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,8 @@ class ParamInfo:
       transpose: stored as PyTorch ``Linear`` ``[out, in]`` (Flax holds ``[in, out]``).
       dtype: its dtype; ``None`` for the model's.
       frozen: never trained (a ``Frozen`` variable rather than an ``nnx.Param``).
+      first: the checkpoint's index of the first stacked entry (a drafter's layers after
+        its first are ``layers.1``, ``layers.2``, …).
     """
 
     shape: tuple[int, ...]
@@ -66,22 +74,25 @@ class ParamInfo:
     transpose: bool = False
     dtype: Any = None
     frozen: bool = False
+    first: int = 0
 
     def __post_init__(self):
         if len(self.axes) != len(self.shape):
             raise ValueError(f"{self.checkpoint}: {len(self.axes)} logical axes for shape {self.shape}")
         if self.stacked != ("{layer}" in self.checkpoint):
-            raise ValueError(f"{self.checkpoint}: a name template with {{layer}} iff the first axis is 'layers'")
+            raise ValueError(f"{self.checkpoint}: a name template with {{layer}} iff the first axis is one of "
+                             f"{STACKED_AXES}")
 
     @property
     def stacked(self) -> bool:
-        """Stored per decoder layer in the checkpoint, stacked on the first axis here."""
-        return bool(self.axes) and self.axes[0] == "layers"
+        """Stored per decoder layer (or per captured layer) in the checkpoint, stacked on the
+        first axis here."""
+        return bool(self.axes) and self.axes[0] in STACKED_AXES
 
     def checkpoint_names(self) -> list[str]:
         """The checkpoint tensors this parameter is read from / written to (one per layer if stacked)."""
         if self.stacked:
-            return [self.checkpoint.format(layer=i) for i in range(self.shape[0])]
+            return [self.checkpoint.format(layer=self.first + i) for i in range(self.shape[0])]
         return [self.checkpoint]
 
     @property

@@ -82,11 +82,9 @@ def drafter_config_for(cfg: dict, tcfg: TargetConfig) -> DrafterConfig:
     init = (cfg.get("drafter") or {}).get("init")
     if init and (Path(init) / "config.json").is_file():
         return DrafterConfig.from_dict(read_config_json(init), source=str(Path(init) / "config.json"))
-    return DrafterConfig(vocab_size=tcfg.vocab_size, draft_vocab_size=cfg["draft_vocab_size"],
-                         hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-                         num_heads=tcfg.num_heads, num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
-                         rms_norm_eps=tcfg.rms_norm_eps, rope=tcfg.rope, target_hidden_size=tcfg.hidden_size,
-                         capture_layers=tcfg.capture_layers, max_position_embeddings=tcfg.max_position_embeddings)
+    from eagle3_jax.train.pipeline import drafter_options
+
+    return DrafterConfig.for_target(tcfg, cfg["draft_vocab_size"], **drafter_options(cfg))
 
 
 def cache_structs(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int, dtype, mesh,
@@ -108,9 +106,9 @@ def activation_bytes(tcfg: TargetConfig, dcfg: DrafterConfig, *, batch: int, seq
 
     * target forward (no gradients; one layer live at a time): float32 logits ``4·V/t``,
       fused features ``3H·e``, one layer's hidden and MLP ``(2H + 2I/t)·e``;
-    * TTT, kept for the backward pass for each of the ``ttt_length`` steps: the layer input
-      and residuals ``5H·e``, q/k/v ``(Nq + 2Nk)·D/t·e``, the MLP ``3I/t·e``, and float32
-      draft logits and their targets ``2·4·Vd/t``.
+    * TTT, kept for the backward pass for each of the ``ttt_length`` steps and each of the
+      drafter's layers: the layer input and residuals ``5H·e``, q/k/v ``(Nq + 2Nk)·D/t·e``,
+      the MLP ``3I/t·e``; and per step float32 draft logits and their targets ``2·4·Vd/t``.
     """
     shape = dict(mesh.shape)
     data = shape.get("data", 1) * shape.get("fsdp", 1)
@@ -118,10 +116,10 @@ def activation_bytes(tcfg: TargetConfig, dcfg: DrafterConfig, *, batch: int, seq
     b = math.ceil(batch / data)
     e = jnp.dtype(compute_dtype).itemsize
     H, I, V = tcfg.hidden_size, tcfg.intermediate_size, tcfg.vocab_size
-    target = 4 * V / t + 3 * H * e + (2 * H + 2 * I / t) * e
+    target = 4 * V / t + len(tcfg.capture_layers) * H * e + (2 * H + 2 * I / t) * e
     D = dcfg.head_dim
-    step = (5 * dcfg.hidden_size + (dcfg.num_heads + 2 * dcfg.num_kv_heads) * D / t + 3 * dcfg.intermediate_size / t) * e \
-        + 2 * 4 * dcfg.draft_vocab_size / t
+    layer = (5 * dcfg.hidden_size + (dcfg.num_heads + 2 * dcfg.num_kv_heads) * D / t + 3 * dcfg.intermediate_size / t) * e
+    step = dcfg.num_layers * layer + 2 * 4 * dcfg.draft_vocab_size / t
     return int(b * seq_len * (target + ttt_length * step))
 
 
@@ -199,7 +197,7 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
             tcfg.num_layers, batch, seq_len, tcfg.num_kv_heads, tcfg.head_dim, dtype, amesh, name="target KV cache")),
         "drafter weights (embedding shared with the target)": shard_bytes(trainable),
         f"drafter KV cache ({batch} x {seq_len})": shard_bytes(cache_structs(
-            1, batch, seq_len, dcfg.num_kv_heads, dcfg.head_dim, dtype, amesh, name="drafter KV cache")),
+            dcfg.num_layers, batch, seq_len, dcfg.num_kv_heads, dcfg.head_dim, dtype, amesh, name="drafter KV cache")),
         "optimizer state (AdamW m and v)": 2 * shard_bytes(trainable),
         "gradients": shard_bytes(trainable),
         f"activations, fit step ({fit.batch_size} x {cfg['seq_len']}, estimate)": activation_bytes(

@@ -57,6 +57,7 @@ RULES: dict[str, Rule] = {
     "kv_heads": Rule(("tensor",), fewer="replicate"),  # grouped-query attention: fewer KV heads than tensor
     "mlp": Rule(("tensor",)),
     "layers": Rule(),
+    "captured": Rule(),  # a drafter's per-captured-layer feature norms
     "norm": Rule(),
     "seq": Rule(),
     "head_dim": Rule(),

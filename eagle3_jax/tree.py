@@ -108,7 +108,7 @@ def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) ->
         out, (k_new, v_new) = drafter.step(beam_hidden, beam_tokens, pos, cache=cache, region_mask_BxTxR=beam_anc,
                                            region_kv=region_kv)
         region_kv = (k_new, v_new) if region_kv is None else (
-            jnp.concatenate([region_kv[0], k_new], 1), jnp.concatenate([region_kv[1], v_new], 1))
+            jnp.concatenate([region_kv[0], k_new], -3), jnp.concatenate([region_kv[1], v_new], -3))  # the token axis
         child_logp, child_ids = _top_k(cache, jax.nn.log_softmax(drafter.logits(out), axis=-1), k)  # [B, k, k]
         cu = (child_logp + scores[:, :, None]).reshape(B, k * k)  # beam-major, child-rank minor
         child_tokens = drafter.to_target_ids(child_ids).reshape(B, k * k)

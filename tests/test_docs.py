@@ -14,7 +14,8 @@ README = ROOT / "README.md"
 COMMANDS = [
     'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
     'eagle3-jax generate "A box holds 79 poukal. How many poukal are in 67 boxes?"',
-    '. .venv/bin/activate && pip install -q -e ".[tpu]" && python -m pytest -n 2 tests',
+    '. .venv/bin/activate && pip install -q -e ".[tpu]" && pip install -q --no-deps speculators==0.9.0 && '
+    'python -m pytest -n 2 tests',
 ]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)

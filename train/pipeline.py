@@ -50,7 +50,11 @@ DEFAULTS = {
     "distributed": False,      # jax.distributed.initialize() (multi-host pods)
     "regenerate": {"enabled": True, "max_new_tokens": 512, "temperature": 0.0, "batch_size": 8,
                    "tensor": 1},  # tensor-parallel size over each process's devices (the rest split the batch)
-    "drafter": {"init": None, "seed": 0},
+    # a fresh drafter's shape (ignored with init): decoder layers, their family (llama, or qwen3
+    # with q/k norms) and speculators' switches; anything but the official one-layer Llama
+    # drafter is exported in the speculators layout
+    "drafter": {"init": None, "seed": 0, "num_layers": 1, "layer_family": "llama", "norm_before_residual": False,
+                "norm_before_fc": False, "fc_norm": False, "norm_output": False},
     "fit": {},                 # eagle3_jax.train.trainer.FitConfig fields (its defaults)
     "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
     "topology": "",            # the TPU slice the config is meant for, e.g. v6e:2x4 (plan --topology's default)
@@ -61,7 +65,8 @@ DEFAULTS = {
 LIMITS = {"seq_len": (">=", 2), "draft_vocab_size": (">=", 1), "dtype": ("in", ("float32", "bfloat16", "float16")),
           "regenerate.max_new_tokens": (">=", 1), "regenerate.temperature": (">=", 0), "regenerate.batch_size": (">=", 1),
           "regenerate.tensor": (">=", 1),
-          "drafter.seed": (">=", 0), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
+          "drafter.seed": (">=", 0), "drafter.num_layers": (">=", 1),
+          "drafter.layer_family": ("in", ("llama", "qwen3")), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
 
 # what each step reads from / writes to work_dir
 INPUTS = {"prepare": (), "regenerate": ("conversations.json",), "vocab": ("regenerated.npz",),
@@ -456,18 +461,22 @@ def _vocab(cfg, work: Path, **_):
     print(f"draft vocab {cfg['draft_vocab_size']} of {vocab}")
 
 
-def new_drafter(target, d2t, *, draft_vocab_size: int, seed: int = 0):
-    """A freshly initialised EAGLE-3 drafter shaped after ``target`` (its RoPE settings too)."""
+def drafter_options(cfg: dict) -> dict:
+    """The ``drafter`` section's shape options (``num_layers``, ``layer_family``, the
+    switches) as :meth:`eagle3_jax.config.DrafterConfig.for_target` keywords."""
+    section = cfg.get("drafter") or {}
+    return {k: section[k] for k in DEFAULTS["drafter"] if k not in ("init", "seed") and k in section}
+
+
+def new_drafter(target, d2t, *, draft_vocab_size: int, seed: int = 0, **options):
+    """A freshly initialised EAGLE-3 drafter shaped after ``target`` (its RoPE settings too);
+    ``options``: :func:`drafter_options` (layers, layer family, switches)."""
     from flax import nnx
 
     from eagle3_jax.config import DrafterConfig
     from eagle3_jax.models.drafter import Drafter
 
-    t = target.config
-    cfg = DrafterConfig(vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=t.hidden_size,
-                        intermediate_size=t.intermediate_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope=t.rope, target_hidden_size=t.hidden_size,
-                        capture_layers=t.capture_layers, max_position_embeddings=t.max_position_embeddings)
+    cfg = DrafterConfig.for_target(target.config, draft_vocab_size, **options)
     return Drafter(cfg, target.embed[...], d2t=d2t if cfg.has_vocab_map else None, dtype=target.dtype, rngs=nnx.Rngs(seed))
 
 
@@ -483,7 +492,8 @@ def _fit(cfg, work: Path, *, resume: bool = True):
     if cfg["drafter"]["init"]:
         drafter = eagle3_jax.load_drafter(cfg["drafter"]["init"], target=target)
     else:
-        drafter = new_drafter(target, vocab["d2t"], draft_vocab_size=cfg["draft_vocab_size"], seed=cfg["drafter"]["seed"])
+        drafter = new_drafter(target, vocab["d2t"], draft_vocab_size=cfg["draft_vocab_size"], seed=cfg["drafter"]["seed"],
+                              **drafter_options(cfg))
     trainer = Trainer(target, drafter, data.load_records(work / "regenerated.npz"), FitConfig(**cfg["fit"]),
                       work_dir=work, mesh=mesh)
     best = trainer.fit(resume=resume)
@@ -496,16 +506,12 @@ def _export(cfg, work: Path, **_):
     """Process 0 re-saves ``best/``; of the target it reads only the embedding (a drafter
     without its own shares it), so no device needs room for the whole target."""
     import eagle3_jax
-    from eagle3_jax.checkpoint import open_weights
-    from eagle3_jax.config import TargetConfig, read_config_json
-    from eagle3_jax.models.target import declare
+    from eagle3_jax.checkpoint.load import read_target_embedding
 
     if not _writer():
         return
     out = Path(cfg["export_dir"] or work / "export")
-    target = Path(cfg["target"])
-    tcfg = TargetConfig.from_dict(read_config_json(target), source=str(target / "config.json"))
-    embed = open_weights(target).get(declare(tcfg).params["embed"].checkpoint)
-    drafter = eagle3_jax.load_drafter(work / "best", embed=embed, dtype=cfg["dtype"])
-    eagle3_jax.save_drafter(drafter, out)
+    drafter = eagle3_jax.load_drafter(work / "best", embed=read_target_embedding(cfg["target"]), dtype=cfg["dtype"])
+    speculators = not drafter.config.is_official or drafter.config.layout == "speculators"
+    eagle3_jax.save_drafter(drafter, out, verifier=cfg["target"] if speculators else None)
     print(f"exported {out}")

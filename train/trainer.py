@@ -218,7 +218,8 @@ def cache_target_outputs(target, records: dict, directory: Path, batch_size: int
     ids = records["input_ids"]
     n, T = ids.shape
     H = target.config.hidden_size
-    meta = {"n": n, "seq_len": T, "hidden": H, "fingerprint": int(np.asarray(ids, np.int64).sum() % (2 ** 31))}
+    meta = {"n": n, "seq_len": T, "hidden": H, "captured": list(target.config.capture_layers),
+            "fingerprint": int(np.asarray(ids, np.int64).sum() % (2 ** 31))}
     done = directory / "done.json"
     graph, state = nnx.split(target)
     spread = not all(x.is_fully_addressable for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
@@ -227,7 +228,7 @@ def cache_target_outputs(target, records: dict, directory: Path, batch_size: int
         if writer:
             directory.mkdir(parents=True, exist_ok=True)
             dtype = np.dtype(jnp.dtype(target.dtype))
-            feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, 3 * H))
+            feats = np.lib.format.open_memmap(directory / "features.npy", "w+", dtype, (n, T, target.config.feature_width))
             hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", dtype, (n, T, H))
         run = jax.jit(lambda st, x: nnx.merge(graph, st).trunk(x, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape))[:2])
         # positions past a row's last loss token never reach the loss: run each chunk only up to

@@ -6,8 +6,10 @@ Alignment (drafter index ``t``, step ``s``): the drafter sees token ``t + 1 + s`
 query sits at RoPE position ``t + s`` and it predicts token ``t + 2 + s``, whose target
 distribution is the target's softmax at position ``t + 1 + s`` restricted to the draft
 vocabulary.  Step 0's hidden is ``fc(features_t)``; step ``s`` feeds step ``s-1``'s pre-norm
-output.  Attention at step ``s``: step-0 keys at positions ``<= t`` plus the keys of steps
-``1..s`` at index ``t`` only, in one joint softmax.
+output (through every decoder layer of the drafter, each with its own keys; the hidden fed
+back is ``drafter.finish``'s, normed with ``norm_output``).  Attention at step ``s``: step-0
+keys at positions ``<= t`` plus the keys of steps ``1..s`` at index ``t`` only, in one joint
+softmax.
 
 The loss of step ``s`` is the soft cross-entropy, masked by ``loss_mask`` of the predicted
 token and by "the target's argmax is in the draft vocabulary", normalised by the mask
@@ -41,13 +43,16 @@ def shift_left(x_BxTx, n: int):
     return jnp.pad(x_BxTx[:, n:], pad)
 
 
-def ttt_attention(q_BxTxNxD, keys, values, scale: float):
-    """``keys[0]``/``values[0]``: step-0 ``[B, T, K, D]`` (causal); ``keys[j]``, j ≥ 1: steps
-    1..s, each visible to the query at the same index only."""
+def ttt_attention(q_BxTxNxD, keys, values, scale: float, window: int | None = None):
+    """``keys[0]``/``values[0]``: step-0 ``[B, T, K, D]`` (causal; with ``window``, only the
+    ``window`` latest positions, as speculators' sliding-window layers); ``keys[j]``, j ≥ 1:
+    steps 1..s, each visible to the query at the same index only."""
     B, T, N, D = q_BxTxNxD.shape
     K = keys[0].shape[2]
     q = q_BxTxNxD.reshape(B, T, K, N // K, D)
     causal = jnp.tril(jnp.ones((T, T), bool))
+    if window is not None:
+        causal = causal & ~jnp.tril(jnp.ones((T, T), bool), -window)
     s0 = jnp.einsum("btkgd,bukd->bkgtu", q, keys[0], preferred_element_type=jnp.float32) * scale
     s0 = jnp.where(causal, s0, layers.NEG_INF)
     diag = [jnp.einsum("btkgd,btkd->bkgt", q, k, preferred_element_type=jnp.float32)[..., None] * scale for k in keys[1:]]
@@ -151,25 +156,42 @@ def ttt_sums(drafter, features_BxTx3H, input_ids_BxT, target_hidden_BxTxH, label
         return jax.lax.scan(jax.checkpoint(one, prevent_cse=False), (zero, zero), xs)[0]
 
     def step(s: int, h_BxTxH, keys, values):
-        """TTT step ``s``: ``(h, k, v, ce_sum, hits)``, its output hidden, new keys/values and loss sums."""
-        p = drafter.attn_params()
-        cos, sin = drafter.rope(jnp.broadcast_to(jnp.arange(T) + s, (B, T)))
-        q, k, v = layers.qkv(p, drafter.layer_input(h_BxTxH, shift_left(input_ids_BxT, 1 + s)), cos, sin,
-                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                             eps=cfg.rms_norm_eps)
-        attn = ttt_attention(q, (*keys, k), (*values, v), cfg.head_dim ** -0.5)
-        h_BxTxH = drafter.layer_output(h_BxTxH, attn.reshape(B, T, -1) @ p["wo"])
+        """TTT step ``s``: ``(h, k, v, ce_sum, hits)``, its output hidden, new keys/values (a
+        tuple over the drafter's layers) and loss sums."""
+        h_BxTxH, k, v = ttt_step(drafter, s, h_BxTxH, input_ids_BxT, keys, values)
         return (h_BxTxH, k, v, *vocab_loss(s, h_BxTxH))
 
     h = drafter.fuse(features_BxTx3H)
-    keys, values, ce_sums, hits = (), (), [], []
+    keys, values = ((),) * cfg.num_layers, ((),) * cfg.num_layers  # per layer: the keys of each step so far
+    ce_sums, hits = [], []
     for s in range(length):
         run = functools.partial(step, s)
         h, k, v, ce_sum, hit = (jax.checkpoint(run) if remat else run)(h, keys, values)
-        keys, values = (*keys, k), (*values, v)
+        keys = tuple((*ks, kl) for ks, kl in zip(keys, k))
+        values = tuple((*vs, vl) for vs, vl in zip(values, v))
         ce_sums.append(ce_sum)
         hits.append(hit)
     return jnp.stack(ce_sums), jnp.stack(hits)
+
+
+def ttt_step(drafter, s: int, h_BxTxH, input_ids_BxT, keys, values):
+    """The drafter's TTT step ``s`` through all its layers: ``(out_hidden, k, v)``, the hidden
+    it feeds back (``drafter.finish``) and each layer's new keys/values (tuples over layers).
+    ``keys[l]`` / ``values[l]``: layer ``l``'s keys/values of steps ``0..s-1``."""
+    cfg = drafter.config
+    B, T = input_ids_BxT.shape
+    cos, sin = drafter.rope(jnp.broadcast_to(jnp.arange(T) + s, (B, T)))
+    tokens = shift_left(input_ids_BxT, 1 + s)
+    ks, vs = [], []
+    for i in range(cfg.num_layers):
+        p = drafter.attn_params(i)
+        q, k, v = layers.qkv(p, drafter.attn_input(i, h_BxTxH, tokens), cos, sin, num_heads=cfg.num_heads,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+        attn = ttt_attention(q, (*keys[i], k), (*values[i], v), cfg.head_dim ** -0.5, cfg.window(i))
+        h_BxTxH = drafter.attn_output(i, h_BxTxH, attn.reshape(B, T, -1) @ p["wo"])
+        ks.append(k)
+        vs.append(v)
+    return drafter.finish(h_BxTxH), tuple(ks), tuple(vs)
 
 
 def ttt_loss(drafter, features_BxTx3H, input_ids_BxT, target_hidden_BxTxH, target_head_HxV, loss_mask_BxT, *,

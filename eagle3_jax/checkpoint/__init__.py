@@ -1,6 +1,7 @@
 """Checkpoint I/O: Hugging Face safetensors targets, official / SpecForge / vLLM
-EAGLE-3 drafters (``pytorch_model.bin`` read without torch, or safetensors), and
-drafter export in the official format.
+EAGLE-3 drafters (``pytorch_model.bin`` read without torch, or safetensors) and vLLM
+``speculators`` drafters with their variants, and drafter export in the official or the
+speculators layout.
 
 Names, shapes and layouts come from the models' parameter declarations (``declare(cfg)``).
 Tensors are read one at a time straight onto the device; with a mesh (or shardings) each

@@ -104,6 +104,17 @@ def fetch_sharded(source, info, dtype, sharding: jax.sharding.Sharding) -> jax.A
     return buf
 
 
+def fetch_param(source, info, dtype, sharding=None):
+    """Parameter ``info`` (a :class:`~eagle3_jax.params.ParamInfo`): on ``sharding`` from
+    per-device blocks (:func:`fetch_sharded`), else whole on the default device (a stacked
+    parameter read one tensor at a time and stacked)."""
+    if sharding is not None:
+        return fetch_sharded(source, info, dtype, sharding)
+    if info.stacked:
+        return jnp.stack([fetch_weight(source, n, info.shape[1:], info.transpose, dtype) for n in info.checkpoint_names()])
+    return fetch_weight(source, info.checkpoint, info.shape, info.transpose, dtype)
+
+
 def replicated(value, mesh):
     """``value`` on every device of ``mesh`` (as is without a mesh)."""
     return value if mesh is None else jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

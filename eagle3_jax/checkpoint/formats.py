@@ -42,5 +42,6 @@ def is_drafter_config(raw: dict) -> bool:
     """Whether the parsed ``config.json`` ``raw`` is an EAGLE-3 drafter's (else a target's)."""
     archs = raw.get("architectures") or []
     archs = archs if isinstance(archs, list) else []
-    return "draft_vocab_size" in raw or any(isinstance(a, str) and "Eagle" in a for a in archs)
+    return ("draft_vocab_size" in raw or "speculators_model_type" in raw
+            or any(isinstance(a, str) and "Eagle" in a for a in archs))
 

@@ -1,5 +1,5 @@
 """Loading: :func:`load_target` (Hugging Face Llama / Mistral / Qwen2 / Qwen3 directories)
-and :func:`load_drafter` (official / SpecForge / vLLM EAGLE-3 drafters), each parameter
+and :func:`load_drafter` (official / SpecForge / vLLM / speculators EAGLE-3 drafters), each parameter
 read as its model's declaration (``declare(cfg)``) says, and the pair validated."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax.checkpoint.fetch import fetch_ids, fetch_sharded, fetch_weight, param_shardings, replicated
+from eagle3_jax.checkpoint.fetch import fetch_ids, fetch_param, fetch_sharded, fetch_weight, param_shardings, replicated
 from eagle3_jax.checkpoint.formats import DTYPES, resolve_dtype
 from eagle3_jax.checkpoint.sources import open_weights
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
@@ -63,19 +63,19 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
     source = open_weights(path)
     model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
     for name, info in decl.present():
-        pdtype = decl.dtype_of(name, dtype)
-        if name in shardings:
-            value = fetch_sharded(source, info, pdtype, shardings[name])
-        elif info.stacked:
-            per_layer = [fetch_weight(source, n, info.shape[1:], info.transpose, pdtype)
-                         for n in info.checkpoint_names()]
-            value = jnp.stack(per_layer)
-            del per_layer
-        else:
-            value = fetch_weight(source, info.checkpoint, info.shape, info.transpose, pdtype)
-        getattr(model, name).set_value(value)
+        getattr(model, name).set_value(fetch_param(source, info, decl.dtype_of(name, dtype), shardings.get(name)))
     model.inv_freq.set_value(replicated(jnp.asarray(cfg.rope.inv_freq(cfg.head_dim)), mesh))
     return model
+
+
+def read_target_embedding(path):
+    """The embedding table of the Hugging Face target directory ``path`` (a numpy array),
+    read alone: what a drafter without its own shares, without loading the target."""
+    from eagle3_jax.models.target import declare
+
+    path = Path(path)
+    tcfg = TargetConfig.from_dict(read_config_json(path), source=str(path / "config.json"))
+    return open_weights(path).get(declare(tcfg).params["embed"].checkpoint)
 
 
 class _Renamed:
@@ -114,10 +114,16 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
 
     Reads the official release layout (``config.json`` + ``pytorch_model.bin``, read
     without torch) and safetensors exports (SpecForge / SGLang / vLLM
-    ``LlamaForCausalLMEagle3``).  The drafter shares ``target``'s embedding (frozen)
-    unless the checkpoint carries ``embed_tokens.weight``; pass ``embed`` instead of a
-    target to give the table directly.  The pair is validated: hidden sizes, vocab
-    size, ``d2t`` range and ``t2d`` consistency, captured-layer ids.
+    ``LlamaForCausalLMEagle3``), and vLLM's ``speculators`` layout
+    (``speculators_model_type: "eagle3"``: any number of Llama or Qwen3 layers, sliding-window
+    layers, any number of captured layers and its four norm switches; see
+    :class:`~eagle3_jax.config.DrafterConfig`).  The drafter shares ``target``'s embedding
+    (frozen) unless the checkpoint carries ``embed_tokens.weight``; pass ``embed`` instead
+    of a target to give the table directly.  The pair is validated: hidden sizes, vocab
+    size, ``d2t`` range and ``t2d`` consistency, captured-layer ids.  Refused, each naming
+    the key or tensor: EAGLE-1/2 and MTP checkpoints, a drafter whose vocabularies differ
+    without ``d2t``, captured-layer ids outside the target's layers or inconsistent with
+    the width of ``fc.weight``.
 
     ``mesh`` / ``rules``: as in :func:`load_target` (parameters sharded by their declared
     logical axes, :func:`eagle3_jax.models.drafter.declare`, and built from per-device
@@ -136,6 +142,7 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     decl = declare(cfg)
     mesh, shardings = param_shardings(decl, path, mesh, rules, None)
     source = _Renamed(open_weights(path))
+    _check_fc(cfg, source, path)
     dtype = resolve_dtype(dtype, "float32" if target is None else jnp.dtype(target.dtype).name)
     if target is not None:
         _check_pair(cfg, target.config, path)
@@ -155,6 +162,10 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
 
     d2t = None
     if cfg.has_vocab_map:
+        if "d2t" not in source.names():
+            raise ValueError(f"{path}: no tensor 'd2t', but key 'draft_vocab_size' = {cfg.draft_vocab_size} differs "
+                             f"from vocab_size {cfg.vocab_size}: without the draft-to-target map the draft ids "
+                             f"cannot be read as target ids")
         d2t = fetch_ids(source, "d2t", cfg.draft_vocab_size, "iu").astype(np.int64)
         t2d = fetch_ids(source, "t2d", cfg.vocab_size, "biu") if "t2d" in source.names() else None
         _check_vocab_map(d2t, t2d, cfg, path)
@@ -162,9 +173,7 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     for name, info in decl.present():
         if info.frozen:
             continue
-        pdtype = decl.dtype_of(name, dtype)
-        getattr(model, name).set_value(fetch_sharded(source, info, pdtype, shardings[name]) if mesh is not None
-                                       else fetch_weight(source, info.checkpoint, info.shape, info.transpose, pdtype))
+        getattr(model, name).set_value(fetch_param(source, info, decl.dtype_of(name, dtype), shardings.get(name)))
     embed = jnp.asarray(embed, dtype)
     model.embed.set_value(embed if mesh is None else jax.device_put(embed, shardings["embed"]))
     model.d2t.set_value(replicated(jnp.zeros((cfg.draft_vocab_size,), jnp.int32) if d2t is None
@@ -174,10 +183,42 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     return model
 
 
+def _ids_key(cfg: DrafterConfig) -> str:
+    """The config key of the captured-layer ids in ``cfg``'s layout."""
+    return "eagle_aux_hidden_state_layer_ids" if cfg.layout == "speculators" else "eagle_config.eagle_aux_hidden_state_layer_ids"
+
+
+def _check_fc(cfg: DrafterConfig, source, path: Path):
+    """``fc.weight``'s input width against the configuration, from the file header: an
+    EAGLE-1/2 head (``fc`` over ``[embedding ; feature]``, no ``hidden_norm``) or ids that do
+    not match the width are refused by name."""
+    if "fc.weight" not in source.names():
+        return  # the missing-tensor error comes with the weights
+    shape = tuple(source.shape("fc.weight"))
+    if len(shape) != 2 or shape[0] != cfg.hidden_size or shape[1] == cfg.fused_width:
+        return  # as declared, or misshaped otherwise: the shape check names it
+    width = shape[1]
+    if width == 2 * cfg.hidden_size and "midlayer.hidden_norm.weight" not in source.names():
+        raise ValueError(f"{source.path_of('fc.weight')}: tensor 'fc.weight' takes {width} = 2 x hidden_size inputs "
+                         f"and there is no hidden_norm: an EAGLE-1/EAGLE-2 drafter, not EAGLE-3")
+    if width % cfg.target_hidden_size == 0 and (cfg.capture_layers is not None or cfg.layout == "speculators"):
+        raise ValueError(f"{path / 'config.json'}: key {_ids_key(cfg)!r} gives {cfg.num_captured} captured layers "
+                         f"({list(cfg.capture_layers) if cfg.capture_layers else 'none given: 3'}), but tensor "
+                         f"'fc.weight' takes {width // cfg.target_hidden_size} x target_hidden_size "
+                         f"({cfg.target_hidden_size}) = {width} inputs")
+
+
 def _check_pair(cfg: DrafterConfig, tcfg: TargetConfig, path: Path):
     if cfg.target_hidden_size != tcfg.hidden_size:
         raise ValueError(f"{path}: drafter expects target hidden size {cfg.target_hidden_size} "
-                         f"(fc takes {3 * cfg.target_hidden_size}), the target has {tcfg.hidden_size}")
+                         f"(fc takes {cfg.fused_width}), the target has {tcfg.hidden_size}")
+    if cfg.capture_layers is None and cfg.num_captured != len(tcfg.capture_layers):
+        raise ValueError(f"{path}: drafter fuses {cfg.num_captured} captured layers (fc takes {cfg.fused_width}), "
+                         f"the target captures {len(tcfg.capture_layers)} ({list(tcfg.capture_layers)})")
+    if cfg.capture_layers is not None and max(cfg.capture_layers) >= tcfg.num_layers:
+        raise ValueError(f"{path / 'config.json'}: key {_ids_key(cfg)!r} = {list(cfg.capture_layers)} names layers "
+                         f"outside the target's {tcfg.num_layers} decoder layers [0, {tcfg.num_layers}) (ids are "
+                         f"the inputs of decoder layers; the final layer's output is not captured)")
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"{path}: drafter vocab_size {cfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
     if cfg.capture_layers is not None and tuple(cfg.capture_layers) != tuple(tcfg.capture_layers):

@@ -1,4 +1,4 @@
-"""Saving: :func:`save_drafter` (the official EAGLE-3 layout) and :func:`save_target` (a
+"""Saving: :func:`save_drafter` (the official EAGLE-3 layout or vLLM's ``speculators`` one) and :func:`save_target` (a
 Hugging Face Llama checkpoint), each written whole and atomically
 (:func:`eagle3_jax.atomic.write_directory`) into a directory checked to hold nothing but
 checkpoint files."""
@@ -18,11 +18,17 @@ from eagle3_jax.atomic import check_output_path, write_directory
 from eagle3_jax.checkpoint.formats import DTYPES, resolve_dtype
 
 
-def save_drafter(drafter, path, *, dtype="float32") -> Path:
-    """Writes ``config.json`` + ``model.safetensors`` in the official EAGLE-3 layout
-    (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` as PyTorch
-    ``[out, in]`` in ``dtype``, ``d2t`` int64, ``t2d`` bool), read alike by the official
-    EAGLE code, SGLang and vLLM.
+FORMATS = ("official", "speculators")
+
+
+def save_drafter(drafter, path, *, dtype="float32", format: str | None = None, verifier=None) -> Path:
+    """Writes ``config.json`` + ``model.safetensors`` in one of two layouts.
+
+    ``format="official"``: the official EAGLE-3 layout (``fc.weight``, ``midlayer.*``,
+    ``norm.weight``, ``lm_head.weight`` as PyTorch ``[out, in]`` in ``dtype``, ``d2t`` int64,
+    ``t2d`` bool), read alike by the official EAGLE code, SGLang and vLLM.  It holds the
+    official drafter only (one Llama layer, three captured layers, no switch); any other is
+    refused naming the setting.
 
     As in the published EAGLE-3 configs, ``target_hidden_size`` is written only where it
     differs from ``hidden_size``: the official runtime takes the key to mean that the
@@ -31,29 +37,83 @@ def save_drafter(drafter, path, *, dtype="float32") -> Path:
     (which :func:`save_target` writes).  So ``embed_tokens.weight`` is shipped when the
     drafter owns its embedding and whenever ``target_hidden_size`` is written.
 
+    ``format="speculators"``: vLLM's ``speculators`` layout (``Eagle3SpeculatorConfig``'s
+    ``config.json``, ``layers.{i}.*`` weights, ``embed_tokens.weight`` always, the switches'
+    norms), which that library's ``from_pretrained`` and vLLM load; every drafter fits.
+
+    ``verifier`` (speculators layout only): the target's Hugging Face id or directory,
+    written as ``speculators_config.verifier`` (with the directory's ``architectures``);
+    the library's ``from_pretrained`` reads the target's config from it, and vLLM may take it
+    as the target.
+
+    ``format=None``: the layout the drafter was read from (``config.layout``), or
+    ``"speculators"`` where the official one cannot hold it.
+
     ``path`` is replaced whole and atomically, as described in :func:`save_target`.
     """
     from eagle3_jax.models.drafter import Drafter, declare
 
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter: expected an eagle3_jax Drafter (e.g. from load_drafter), got {type(drafter).__name__}")
-    dtype = _save_dtype(dtype)
-    _check_output(path)
     cfg = drafter.config
-    config = {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name}
-    if cfg.target_hidden_size == cfg.hidden_size:
-        config.pop("target_hidden_size", None)
-    ship_embed = drafter.own_embedding or "target_hidden_size" in config
+    if format is None:
+        format = cfg.layout if cfg.is_official else "speculators"
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
+    dtype = _save_dtype(dtype)
+    if verifier is not None and format != "speculators":
+        raise ValueError(f"verifier={verifier!r}: only the speculators layout names its target (format={format!r})")
+    if format == "official" and not cfg.is_official:
+        raise ValueError(f"format='official': the official EAGLE-3 layout holds one Llama layer over three captured "
+                         f"layers with no norm switch; this drafter has {_beyond_official(cfg)}; save it with "
+                         f"format='speculators'")
+    _check_output(path)
+    if format == "official":
+        config = {**cfg.to_dict(), "torch_dtype": jnp.dtype(dtype).name}
+        if cfg.target_hidden_size == cfg.hidden_size:
+            config.pop("target_hidden_size", None)
+        ship_embed = drafter.own_embedding or "target_hidden_size" in config
+    else:
+        config, ship_embed = cfg.to_speculators_dict(jnp.dtype(dtype).name), True
+        if verifier is not None:
+            config["speculators_config"]["verifier"] = _verifier(verifier)
     tensors = {}
     for name, info in declare(cfg).present():
         if name == "embed" and not ship_embed:
             continue
-        arr = getattr(drafter, name)[...].astype(dtype)
-        tensors[info.checkpoint] = arr.T if info.transpose else arr
+        value = getattr(drafter, name)[...].astype(dtype)
+        for stored, block in zip(info.checkpoint_names(), list(value) if info.stacked else [value]):
+            if format == "speculators" and stored.startswith("midlayer."):
+                stored = "layers.0." + stored[len("midlayer."):]
+            tensors[stored] = block.T if info.transpose else block
     if cfg.has_vocab_map:
         tensors["d2t"] = np.asarray(drafter.d2t[...]).astype(np.int64)  # numpy: int64 even without jax x64
         tensors["t2d"] = np.asarray(drafter.t2d)
     return write_checkpoint(path, tensors, {"config.json": config})
+
+
+def _verifier(verifier) -> dict:
+    """speculators' ``verifier`` entry for the target ``verifier`` (an id or a directory)."""
+    from eagle3_jax.config import read_config_json
+
+    if not isinstance(verifier, (str, os.PathLike)) or not os.fspath(verifier):
+        raise TypeError(f"verifier: expected the target's id or directory (a path or string), got {verifier!r}")
+    archs = []
+    if Path(verifier).is_dir():
+        found = read_config_json(verifier).get("architectures")
+        archs = [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+    return {"name_or_path": os.fspath(verifier), "architectures": archs}
+
+
+def _beyond_official(cfg) -> str:
+    """What the official layout cannot hold of drafter config ``cfg``, by setting."""
+    from eagle3_jax.config import SWITCHES
+
+    what = [f"num_layers={cfg.num_layers}"] if cfg.num_layers != 1 else []
+    what += [f"layer_family={cfg.layer_family!r}"] if cfg.layer_family != "llama" else []
+    what += [f"{cfg.num_captured} captured layers"] if cfg.num_captured != 3 else []
+    what += [f"sliding_window={cfg.sliding_window}"] if cfg.window(0) is not None else []
+    return ", ".join(what + [f"{n}=True" for n in SWITCHES if getattr(cfg, n)])
 
 
 def save_target(target, path, *, dtype="float32", tokenizer=None, generation_config: dict | None = None) -> Path:

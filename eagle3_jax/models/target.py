@@ -130,10 +130,11 @@ class Target(nnx.Module):
         h = self.embed[...][tokens_BxT].astype(self.dtype)
         stacked = {n: getattr(self, n)[...] for n, p in declare(cfg).present() if p.stacked}
         # a captured layer (hit_L) writes its input into its slot of feats (slot_L), in place; the
-        # others rewrite slot 0 as it is: one [B, T, H] slot a layer, not a select over all three
+        # others rewrite slot 0 as it is: one [B, T, H] slot a layer, not a select over all of them
+        n = len(cfg.capture_layers)
         hit_L, slot_L = np.zeros(cfg.num_layers, bool), np.zeros(cfg.num_layers, np.int32)
-        hit_L[list(cfg.capture_layers)], slot_L[list(cfg.capture_layers)] = True, np.arange(3)
-        feats = jnp.zeros((3, B, T, cfg.hidden_size), self.dtype)
+        hit_L[list(cfg.capture_layers)], slot_L[list(cfg.capture_layers)] = True, np.arange(n)
+        feats = jnp.zeros((n, B, T, cfg.hidden_size), self.dtype)
         kv = (cache.k, cache.v) if cache is not None else None  # read only inside the scan
 
         def layer(carry, xs):
@@ -153,7 +154,7 @@ class Target(nnx.Module):
         xs = (jnp.arange(cfg.num_layers), jnp.asarray(hit_L), jnp.asarray(slot_L), stacked)
         (h, feats), (k_new, v_new) = jax.lax.scan(layer, (h, feats), xs, unroll=self.unroll_layers or 1)
         h = layers.rms_norm(h, self.norm[...], cfg.rms_norm_eps)
-        features = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
+        features = jnp.concatenate(list(feats), axis=-1)
         return h, features, (k_new, v_new)
 
     def head(self, hidden_BxTxH):
