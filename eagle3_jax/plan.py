@@ -299,12 +299,11 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     import time
 
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from eagle3_jax import decode, sharding, topology
+    from eagle3_jax import decode, topology
     from eagle3_jax.models import drafter as drafter_mod, target as target_mod
     from eagle3_jax.train import pipeline
-    from eagle3_jax.train.trainer import FitConfig, fit_step_fn, optimizer
+    from eagle3_jax.train.trainer import FitConfig
 
     chip = topology.chip(topology_name)
     cfg = pipeline.load_config(config_file, overrides)
@@ -375,30 +374,7 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     if "fit" in programs:
         def fit_lowered(tc, fit_cfg, rows, *, unroll=False):
             t, d = models(tc, unroll=unroll, attention="xla")  # the target runs whole sequences, uncached
-            tgraph, tstate = nnx.split(t)
-            tstate = sharding.place(tstate, target_mod.declare(tc), tmesh)
-            dgraph, params, frozen = nnx.split(d, nnx.Param, ...)
-            dsh = drafter_mod.declare(dcfg).shardings(tmesh)
-            replicated = NamedSharding(tmesh, P())
-
-            def put(path, x):
-                name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
-                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dsh.get(name, replicated))
-
-            params = jax.tree_util.tree_map_with_path(put, params)
-            frozen = jax.tree_util.tree_map_with_path(put, frozen)
-            opt = optimizer(fit_cfg)
-            by_shape = {}
-            for p in jax.tree.leaves(params):
-                by_shape.setdefault((p.shape, p.dtype), p.sharding)
-            opt_state = jax.tree.map(  # moments follow their params; counts replicated
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get((x.shape, x.dtype), replicated)
-                                               if x.ndim else replicated), jax.eval_shape(opt.init, params))
-            batch_sh = sharding.batch_sharding(tmesh, 2)
-            ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sh)
-            mask = jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_, sharding=batch_sh)
-            step = fit_step_fn(tgraph, dgraph, fit_cfg, opt, jax.tree.map(lambda x: x.sharding, params))
-            return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, frozen, tstate, ids, mask)
+            return lower_fit_step(t, d, fit_cfg, tmesh, rows=rows, seq_len=seq_len)
 
         compiled.append(build(f"fit step ({fit.batch_size} x {seq_len}, TTT {fit.ttt_length}, "
                               f"{fit.micro_batches} micro-batches)", lambda: fit_lowered(tcfg, fit, fit.batch_size)))
@@ -412,6 +388,45 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
                                                 xla_seconds=None)
     return _topology_report(config_file, topology_name, chip, axes, source, compiled, costs, tau, tau_source,
                             batch=batch, prompt_len=prompt_len, max_new=max_new, attention_impl=attention_impl)
+
+
+def lower_fit_step(target, drafter, fit_cfg, mesh, *, rows: int, seq_len: int) -> jax.stages.Lowered:
+    """The training fit step (:func:`eagle3_jax.train.trainer.fit_step_fn`) lowered on abstract
+    inputs placed as the trainer places them on ``mesh``: the target's weights by its
+    declaration, the drafter's params, frozen arrays and AdamW moments by the drafter's,
+    ``rows x seq_len`` token ids and loss mask split by rows.  ``target`` / ``drafter``:
+    abstract modules (``nnx.eval_shape``)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eagle3_jax import sharding
+    from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+    from eagle3_jax.train.trainer import fit_step_fn, optimizer
+
+    tgraph, tstate = nnx.split(target)
+    tstate = sharding.place(tstate, target_mod.declare(target.config), mesh)
+    dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
+    dsh = drafter_mod.declare(drafter.config).shardings(mesh)
+    replicated = NamedSharding(mesh, P())
+
+    def put(path, x):
+        name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dsh.get(name, replicated))
+
+    params = jax.tree_util.tree_map_with_path(put, params)
+    frozen = jax.tree_util.tree_map_with_path(put, frozen)
+    opt = optimizer(fit_cfg)
+    by_shape = {}
+    for p in jax.tree.leaves(params):
+        by_shape.setdefault((p.shape, p.dtype), p.sharding)
+    opt_state = jax.tree.map(  # moments follow their params; counts replicated
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get((x.shape, x.dtype), replicated)
+                                       if x.ndim else replicated), jax.eval_shape(opt.init, params))
+    batch_sh = sharding.batch_sharding(mesh, 2)
+    ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sh)
+    mask = jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_, sharding=batch_sh)
+    step = fit_step_fn(tgraph, dgraph, fit_cfg, opt, jax.tree.map(lambda x: x.sharding, params))
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, frozen, tstate, ids, mask)
 
 
 def _topology_report(config_file, topology_name, chip, axes, source, compiled, costs, tau, tau_source, **shape) -> dict:

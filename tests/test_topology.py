@@ -146,3 +146,23 @@ def test_keep_cpu_default_respects_the_user(monkeypatch):
     monkeypatch.setattr(topology, "_has_tpu_hardware", lambda: True)
     topology.keep_cpu_default()
     assert len(calls) == 1
+
+
+@needs_libtpu
+def test_fit_step_keeps_rows_split_over_fsdp():
+    """On a data x fsdp mesh every device trains on its own rows: the TTT attention's scores are
+    made for batch / devices rows per device, not for the rows of all the fsdp devices (which
+    the compiler chose, following the weights' fsdp split of the hidden dimension, before the
+    step constrained its activations: 206 GiB estimated, 47.6 GiB compiled for Llama-3.1-8B)."""
+    from eagle3_jax.train.trainer import FitConfig
+
+    mesh = sharding.make_mesh(data=2, fsdp=2, devices=topology.devices("v5e:2x2"))
+    target, drafter = _pair()
+    rows, T = 16, 64
+    fit = FitConfig(batch_size=rows, ttt_length=2, loss_chunk=32, compute_dtype="bfloat16")
+    text = plan.lower_fit_step(target, drafter, fit, mesh, rows=rows, seq_len=T).compile().as_text()
+    # scores [rows, kv heads, group, T, T + step] of the TTT attention, per device
+    K, G = TINY["num_key_value_heads"], TINY["num_attention_heads"] // TINY["num_key_value_heads"]
+    import re
+    scores = {int(b) for b in re.findall(rf"f32\[(\d+),{K},{G},{T},{T}\]", text)}
+    assert scores == {rows // 4}, scores

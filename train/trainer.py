@@ -134,7 +134,8 @@ def fit_step_fn(tgraph, dgraph, cfg: FitConfig, opt: optax.GradientTransformatio
     target's fused features ``feats [B, T, 3H]`` and final-normed ``hidden [B, T, H]``,
     which otherwise the frozen target computes inside the step.  ``param_shardings``: the
     params' shardings (a tree like ``params``), kept by the updated params and the
-    gradient accumulators; None leaves them to the compiler.  ``metrics``: see
+    gradient accumulators, and their mesh's batch axes keep every activation split by rows
+    (the target's features, the TTT steps); None leaves them to the compiler.  ``metrics``: see
     :func:`eagle3_jax.train.ttt.ttt_metrics`.
 
     Memory (none of it changes the loss beyond float rounding): the batch runs in
@@ -149,6 +150,15 @@ def fit_step_fn(tgraph, dgraph, cfg: FitConfig, opt: optax.GradientTransformatio
     for the forward pass; logits and losses accumulate in float32 whatever it is."""
     opt = optimizer(cfg) if opt is None else opt
     M = cfg.micro_batches
+    mesh = next((x.mesh for x in jax.tree.leaves(param_shardings) if isinstance(x, NamedSharding)), None)
+
+    def rows(x_BxX):
+        """``x`` kept split by rows over the batch's mesh axes (as the step's inputs are): without
+        it the compiler may follow the weights' ``fsdp`` split of the hidden dimension instead and
+        give each device the rows of all ``fsdp`` devices, attention and logits included."""
+        if mesh is None:
+            return x_BxX
+        return jax.lax.with_sharding_constraint(x_BxX, sharding.batch_sharding(mesh, x_BxX.ndim))
 
     def split(x_BxX):
         """``[B, ...]`` → ``[M, B/M, ...]``: micro-batch ``m`` holds rows ``m, m + M, ...``."""
@@ -165,7 +175,9 @@ def fit_step_fn(tgraph, dgraph, cfg: FitConfig, opt: optax.GradientTransformatio
             return ttt.in_draft_vocab(vocab_map, hidden_BxTxH, head_HxV, chunk=cfg.loss_chunk)
 
         def target_pass(ids_BxT):
+            ids_BxT = rows(ids_BxT)
             hidden_BxTxH, feats_BxTx3H, _ = target.trunk(ids_BxT, jnp.broadcast_to(jnp.arange(T), ids_BxT.shape))
+            hidden_BxTxH, feats_BxTx3H = rows(hidden_BxTxH), rows(feats_BxTx3H)
             return jax.lax.stop_gradient((feats_BxTx3H, hidden_BxTxH)), in_vocab(hidden_BxTxH)
 
         ids_MxBxT, mask_MxBxT = split(input_ids), split(loss_mask)
@@ -177,7 +189,7 @@ def fit_step_fn(tgraph, dgraph, cfg: FitConfig, opt: optax.GradientTransformatio
         count_L, predicted_L = ttt.step_counts(mask_MxBxT.reshape(-1, T), in_vocab_MxBxT.reshape(-1, T), cfg.ttt_length)
 
         def loss_fn(p, xs):
-            feats_BxTx3H, hidden_BxTxH, ids_BxT, mask_BxT, in_vocab_BxT = xs
+            feats_BxTx3H, hidden_BxTxH, ids_BxT, mask_BxT, in_vocab_BxT = map(rows, xs)
             if cfg.compute_dtype != "float32":
                 p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
             drafter = nnx.merge(dgraph, p, frozen)
