@@ -99,28 +99,41 @@ def cache_structs(num_layers: int, batch: int, length: int, num_kv_heads: int, h
 
 
 def activation_bytes(tcfg: TargetConfig, dcfg: DrafterConfig, *, batch: int, seq_len: int, ttt_length: int,
-                     compute_dtype, mesh) -> int:
-    """A rough per-device estimate of one training step's activations (online: the frozen
-    target runs inside the step).  With ``b`` the batch per data shard, ``t`` the tensor
-    axis size and ``e`` the compute dtype's bytes, per token:
+                     compute_dtype, mesh, micro_batches: int = 1, loss_chunk: int = 256, remat: bool = True) -> int:
+    """A rough per-device estimate of one training step's activations as the step runs them
+    (online: the frozen target inside the step; see :func:`eagle3_jax.train.trainer.fit_step_fn`);
+    ``plan --topology`` compiles the step instead.  With ``B`` the rows per batch shard, ``b =
+    B / micro_batches`` those of one micro-batch, ``T`` the sequence, ``C`` the loss chunk,
+    ``t`` the tensor axis size and ``e`` the compute dtype's bytes:
 
-    * target forward (no gradients; one layer live at a time): float32 logits ``4·V/t``,
-      fused features ``3H·e``, one layer's hidden and MLP ``(2H + 2I/t)·e``;
-    * TTT, kept for the backward pass for each of the ``ttt_length`` steps and each of the
-      drafter's layers: the layer input and residuals ``5H·e``, q/k/v ``(Nq + 2Nk)·D/t·e``,
-      the MLP ``3I/t·e``; and per step float32 draft logits and their targets ``2·4·Vd/t``.
-    """
+    * kept from the target's pass to the TTT pass, for the whole batch: the fused features and
+      the final hidden ``B·T·(F + H)·e``;
+    * the target's pass over one micro-batch (one layer live): the hidden and MLP
+      ``b·T·(2H + 2I/t)·e``, the float32 attention scores ``b·Nq/t·T²·4`` and one chunk's
+      float32 logits ``b·C·V/t·4``;
+    * the TTT over one micro-batch: each step's hidden and keys/values, kept for the backward
+      pass, ``ttt_length·b·T·(H + 2·Nk·D/t)·e`` a drafter layer; the step being run (recomputed
+      in the backward pass with ``remat``, else every step's): its layer ``b·T·(5H + (Nq +
+      2Nk)·D/t + 3I/t)·e``, float32 scores, probabilities and their gradient ``3·b·Nq/t·T·(T +
+      ttt_length)·4`` and one chunk's float32 draft logits, labels and gradients ``4·b·C·Vd/t·4``.
+
+    The total is the kept features plus the larger of the two passes.  Gathered weights and
+    the optimizer's temporaries are not counted (the compiled step has them)."""
     shape = dict(mesh.shape)
     data = shape.get("data", 1) * shape.get("fsdp", 1)
     t = shape.get("tensor", 1)
-    b = math.ceil(batch / data)
+    B = math.ceil(batch / data)
+    b, T, C = math.ceil(B / micro_batches), seq_len, min(loss_chunk, seq_len)
     e = jnp.dtype(compute_dtype).itemsize
     H, I, V = tcfg.hidden_size, tcfg.intermediate_size, tcfg.vocab_size
-    target = 4 * V / t + len(tcfg.capture_layers) * H * e + (2 * H + 2 * I / t) * e
-    D = dcfg.head_dim
-    layer = (5 * dcfg.hidden_size + (dcfg.num_heads + 2 * dcfg.num_kv_heads) * D / t + 3 * dcfg.intermediate_size / t) * e
-    step = dcfg.num_layers * layer + 2 * 4 * dcfg.draft_vocab_size / t
-    return int(b * seq_len * (target + ttt_length * step))
+    kept = B * T * (tcfg.feature_width + H) * e
+    target = b * T * (2 * H + 2 * I / t) * e + b * tcfg.num_heads / t * T * T * 4 + b * C * V / t * 4
+    D, Nq, Nk = dcfg.head_dim, dcfg.num_heads / t, dcfg.num_kv_heads / t
+    saved = ttt_length * dcfg.num_layers * b * T * (dcfg.hidden_size + 2 * Nk * D) * e
+    layer = b * T * (5 * dcfg.hidden_size + (Nq + 2 * Nk) * D + 3 * dcfg.intermediate_size / t) * e
+    live = dcfg.num_layers * (layer + 3 * b * Nq * T * (T + ttt_length) * 4) + 4 * b * C * dcfg.draft_vocab_size / t * 4
+    ttt = saved + live * (1 if remat else ttt_length)
+    return int(kept + max(target, ttt))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +215,8 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
         "gradients": shard_bytes(trainable),
         f"activations, fit step ({fit.batch_size} x {cfg['seq_len']}, estimate)": activation_bytes(
             tcfg, dcfg, batch=fit.batch_size, seq_len=cfg["seq_len"], ttt_length=fit.ttt_length,
-            compute_dtype=fit.compute_dtype, mesh=amesh),
+            compute_dtype=fit.compute_dtype, mesh=amesh, micro_batches=fit.micro_batches, loss_chunk=fit.loss_chunk,
+            remat=fit.remat),
     }
     v = list(rows.values())
     return Plan(mesh=axes, target_source=source, target_params=tdecl.count(),
