@@ -5,7 +5,7 @@ Three instruments, all on compiled programs:
 * :func:`profile_parts` runs a compiled function under the JAX profiler and charges
   each executed XLA op's own time (its duration minus the ops nested in it) to the
   innermost named scope of the round it came from (``draft``, ``verify``,
-  ``catch_up``, ``commit``, ``emit``, …, see ``decode.py``), via the op's metadata in
+  ``catch_up``, ``commit``, ``emit``, …, see ``decode/_loop.py``), via the op's metadata in
   the optimized HLO; an op XLA made itself (a copy of a loop carry, a fusion without
   metadata) is charged to the part whose loop or call runs it.
 * :func:`cache_ops` lists the ops of an optimized HLO module whose result is at least
@@ -374,7 +374,7 @@ def loop_report(target, drafter, prompt: list[int], tree, max_news, *, batch: in
         timed = forced_rounds(programs, forced_tokens, tree.path_len if d is not None else 1, repeats=repeats)
         for rep, (compiled, args), forced in zip(out, programs, timed):
             m = rep["max_new_tokens"]
-            max_len = args[2].shape[1] + m + (tree.scratch if d is not None else 1)
+            max_len = args[-1].prompt_BxT.shape[1] + m + (tree.scratch if d is not None else 1)
             layer_bytes = batch * max_len * cfg.num_kv_heads * cfg.head_dim * target.cache_dtype.itemsize
             ops = cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
             loop_copies = [o for o in ops["copy"] if o[3] != "ENTRY"]

@@ -139,7 +139,7 @@ def check_phases(target, drafter, tree) -> str:
     long_rows = set(vanilla[6]) | set(vanilla[7])  # a stop token of each of rows 0-5 that 6 and 7 never make
     stops = sorted({next(t for t in vanilla[r][3 + 6 * r:] if t not in long_rows) for r in range(6)})
     mesh = sharding.make_mesh(data=2, tensor=4)
-    assert decode._phase_rows(8, 64, 2) == (8, 4, 2)
+    assert decode.phase_rows(8, 64, 2) == (8, 4, 2)
     for d, temperature in ((None, 0.0), (drafter, 0.8)):
         kw = dict(max_new_tokens=64, stop_token_ids=stops, temperature=temperature, seed=3, tree=tree)
         want = eagle3_jax.generate(target, d, prompts, **kw)
@@ -147,7 +147,7 @@ def check_phases(target, drafter, tree) -> str:
         assert got.tokens == want.tokens, ("phases", d is not None)
         assert got.stats["accept_lengths"] == want.stats["accept_lengths"], ("phases", d is not None)
         compiled, cargs = decode.compile_generate(target, d, prompts, mesh=mesh, **kw)
-        max_len = cargs[2].shape[1] + 64 + (1 if d is None else tree.scratch)
+        max_len = cargs[-1].prompt_BxT.shape[1] + 64 + (1 if d is None else tree.scratch)
         layout = check_cache_layout(compiled.as_text(), target.config, 8, max_len, mesh)
         L = target.config.num_layers
         moved = cache_collectives(compiled.as_text(), lambda dims: max_len in dims or dims[:2] == (L, 8))
@@ -176,7 +176,7 @@ def main(argv=None):
                 got = eagle3_jax.generate(target, d, prompts, mesh=mesh, rules=rules, **kw).tokens
                 assert got == want, (name, mode, axes)
                 compiled, cargs = decode.compile_generate(target, d, prompts, mesh=mesh, rules=rules, **kw)
-                batch, T = cargs[2].shape
+                batch, T = cargs[-1].prompt_BxT.shape
                 max_len = T + args.max_new_tokens + (1 if d is None else tree.scratch)
                 layout = check_cache_layout(compiled.as_text(), target.config, batch, max_len, mesh)
                 if mesh.shape["data"] > 1:  # each device writes and moves its own rows' keys and values

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from eagle3_jax import builtin, decode
+from eagle3_jax import builtin
 from eagle3_jax.bench import parse_tree
+from eagle3_jax.decode import _loop as decode_loop  # where phase_rows reads COMPACT_FROM
 from eagle3_jax.decode import encode_chat, generate
 
 
@@ -36,13 +37,13 @@ def main(argv=None):
     prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
     chunks = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     modes = [("vanilla", None, None)] + [(t, drafter, parse_tree(t)) for t in args.tree]
-    phased_from = decode.COMPACT_FROM
+    phased_from = decode_loop.COMPACT_FROM
     settings = [(m, phased) for m in modes for phased in (False, True)]
     best, tokens = {}, {}
     for r in range(args.repeats):
         for k in range(len(settings)):  # an order that rotates per pass
             (name, d, tree), phased = settings[(k + r) % len(settings)]
-            decode.COMPACT_FROM = phased_from if phased else math.inf
+            decode_loop.COMPACT_FROM = phased_from if phased else math.inf
             seconds, out = 0.0, []
             for chunk in chunks:
                 res = generate(target, d, chunk, max_new_tokens=args.max_new_tokens,
@@ -51,7 +52,7 @@ def main(argv=None):
                 out += res.tokens
             best[name, phased] = min(best.get((name, phased), math.inf), seconds)
             tokens[name, phased] = out
-    decode.COMPACT_FROM = phased_from
+    decode_loop.COMPACT_FROM = phased_from
     n = sum(map(len, tokens["vanilla", False]))
     steps = sum(len(c) * max(len(t) for t in tokens["vanilla", False][i:i + len(c)])
                 for i, c in zip(range(0, len(prompts), args.batch_size), chunks))

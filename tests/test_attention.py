@@ -124,13 +124,13 @@ def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
     each phase of a batch decoded in phases (whose rows are gathered between the loops); and
     the empty caches are not copied into the loop either."""
     monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
     target = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype=dtype)
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
     spec = tree if isinstance(tree, Speculation) else Speculation.fixed(tree or TreeConfig())
-    assert len(decode._phase_rows(batch, max_new)) == (3 if batch == 8 else 1)
+    assert len(decode.phase_rows(batch, max_new)) == (3 if batch == 8 else 1)
     compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]] * batch, max_new_tokens=max_new,
-                                             speculation=spec, round_ms=[1.0] * len(spec.tiers))
+                                             speculation=spec, round_ms=[1.0] * len(spec.tiers),
+                                             programs=decode.ProgramCache())
     assert int(compiled(*args)["n_out"][0]) > 0
     cfg = target.config
     max_len = 32 + max_new + (spec.scratch if tree else 1)
@@ -151,7 +151,7 @@ def test_prefill_computes_the_last_tokens_logits_only():
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     B, V = 2, target.config.vocab_size
     compiled, args = decode.compile_generate(target, None, [[1, 2, 3, 4, 5]] * B, max_new_tokens=8)
-    T = args[2].shape[1]  # the prompt's bucket
+    T = args[-1].prompt_BxT.shape[1]  # the prompt's bucket
     assert T > 1
     text = compiled.as_text()
     assert f"f32[{B},{T},{V}]" not in text

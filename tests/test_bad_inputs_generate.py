@@ -85,11 +85,16 @@ BAD = [
 
 
 @pytest.mark.parametrize("kwargs,exc,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_generate_argument_is_named(pair, kwargs, exc, words, monkeypatch):
+def test_bad_generate_argument_is_named(pair, kwargs, exc, words):
     target, drafter = pair
     compiled = []
-    monkeypatch.setattr(decode, "_compiled", lambda *a: compiled.append(a))  # nothing may compile
-    args = dict(prompts=OK, max_new_tokens=8)
+
+    class Recording(decode.ProgramCache):
+        def get(self, key, build):
+            compiled.append(key)
+            return super().get(key, build)
+
+    args = dict(prompts=OK, max_new_tokens=8, programs=Recording())  # nothing may compile
     args.update(kwargs)
     prompts = args.pop("prompts")
     with pytest.raises(exc) as info:
@@ -102,7 +107,7 @@ def test_prompt_containers_mean_the_same_prompts(pair):
     """Lists, tuples, numpy int64 scalars, 1-D numpy/jax arrays and a 2-D array (one row per
     prompt) all give the same padded batch; a flat list of ids is one prompt."""
     target, _ = pair
-    want = decode._prepare(target, None, [[5, 6, 7], [8, 9, 10]], max_new_tokens=4, temperature=0.0, top_p=1.0,
+    want = decode.prepare(target, None, [[5, 6, 7], [8, 9, 10]], max_new_tokens=4, temperature=0.0, top_p=1.0,
                            top_k=0, tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
     forms = [
         ((5, 6, 7), (8, 9, 10)),
@@ -113,67 +118,70 @@ def test_prompt_containers_mean_the_same_prompts(pair):
         [[jnp.int32(5), 6, 7], [np.array(8), 9, 10]],
     ]
     for form in forms:
-        got = decode._prepare(target, None, form, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
-                              tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+        got = decode.prepare(target, None, form, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+                             tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
         np.testing.assert_array_equal(got.prompt_BxT, want.prompt_BxT)
         np.testing.assert_array_equal(got.lengths_B, want.lengths_B)
-    one = decode._prepare(target, None, [np.int64(5), 6, 7], max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+    one = decode.prepare(target, None, [np.int64(5), 6, 7], max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
                           tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
     assert one.prompt_BxT.shape[0] == 1 and one.lengths_B.tolist() == [3]
 
 
-def test_compile_cache_is_bounded(pair, monkeypatch):
+def test_compile_cache_is_bounded(pair):
     """Each new max_new_tokens compiles a program; only the most recently used are kept."""
     target, _ = pair
-    monkeypatch.setattr(decode, "COMPILE_CACHE_SIZE", 2)
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    programs = decode.ProgramCache(2)
     for n in (3, 4, 5, 4):
-        eagle3_jax.generate(target, None, OK, max_new_tokens=n)
-    assert len(decode._COMPILED) == 2
-    assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 4]  # 3 evicted, 4 most recent
+        eagle3_jax.generate(target, None, OK, max_new_tokens=n, programs=programs)
+    assert len(programs) == 2
+    assert [key[3].max_new for key in programs.keys()] == [5, 4]  # 3 evicted, 4 most recent
 
 
-def test_keep_compiled_holds_more_loops_while_inside(pair, monkeypatch):
+def test_keep_compiled_holds_more_loops_while_inside(pair):
     """``keep_compiled(n)`` keeps n loops while inside (a benchmark cycling through them
-    compiles each once), then trims to ``COMPILE_CACHE_SIZE``, the most recently used kept."""
+    compiles each once), then trims to the cache's size, the most recently used kept (on the
+    default cache, ``decode.keep_compiled``)."""
     target, _ = pair
-    monkeypatch.setattr(decode, "COMPILE_CACHE_SIZE", 2)
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    with decode.keep_compiled(3):
+    programs = decode.ProgramCache(2)
+    with programs.keep(3):
         for n in (3, 4, 5, 3):
-            eagle3_jax.generate(target, None, OK, max_new_tokens=n)
-        assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [4, 5, 3]  # none evicted, none compiled again
-    assert decode.COMPILE_CACHE_SIZE == 2
-    assert [dict(key[3])["max_new"] for key in decode._COMPILED] == [5, 3]
+            eagle3_jax.generate(target, None, OK, max_new_tokens=n, programs=programs)
+        assert [key[3].max_new for key in programs.keys()] == [4, 5, 3]  # none evicted, none compiled again
+    assert programs.size == 2
+    assert [key[3].max_new for key in programs.keys()] == [5, 3]
+    before = decode.PROGRAMS.size
+    with decode.keep_compiled(before + 3):
+        assert decode.PROGRAMS.size == before + 3
+    assert decode.PROGRAMS.size == before == decode.COMPILE_CACHE_SIZE
 
 
-def test_first_token_is_timed_on_the_call_s_own_program(pair, monkeypatch):
+def test_first_token_is_timed_on_the_call_s_own_program(pair):
     """``time_first_token`` times the same compiled program stopped after the prefill: no
     second program, the same tokens."""
     target, drafter = pair
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    plain = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6)
-    timed = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, time_first_token=True)
-    assert timed.tokens == plain.tokens and len(decode._COMPILED) == 1
+    programs = decode.ProgramCache()
+    plain = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, programs=programs)
+    timed = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, time_first_token=True, programs=programs)
+    assert timed.tokens == plain.tokens and len(programs) == 1
     assert 0 < timed.stats["first_token_seconds"] and "first_token_seconds" not in plain.stats
 
 
-def test_warm_up_runs_a_program_once_before_its_first_timed_call(pair, monkeypatch):
+def test_warm_up_runs_a_program_once_before_its_first_timed_call(pair):
     """``warm_up`` runs the call's own program untimed only if it has not run in this process
     (by an earlier warm-up or any ``generate``); the tokens are the same either way, and a
     program dropped from the cache of compiled loops is warmed again."""
     target, drafter = pair
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    monkeypatch.setattr(decode, "_RAN", set())
-    first = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True)
-    again = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True)
-    plain = eagle3_jax.generate(target, None, OK, max_new_tokens=6)  # vanilla's program: run, not warmed
-    after = eagle3_jax.generate(target, None, OK, max_new_tokens=6, warm_up=True)
+    programs = decode.ProgramCache()
+    kw = dict(max_new_tokens=6, programs=programs)
+    first = eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw)
+    again = eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw)
+    plain = eagle3_jax.generate(target, None, OK, **kw)  # vanilla's program: run, not warmed
+    after = eagle3_jax.generate(target, None, OK, warm_up=True, **kw)
     assert first.stats["warm_up_seconds"] > 0 and again.stats["warm_up_seconds"] is None
     assert after.stats["warm_up_seconds"] is None and "warm_up_seconds" not in plain.stats
-    assert first.tokens == again.tokens and plain.tokens == after.tokens and len(decode._COMPILED) == 2
-    decode.clear_compiled()
-    assert eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, warm_up=True).stats["warm_up_seconds"] > 0
+    assert first.tokens == again.tokens and plain.tokens == after.tokens and len(programs) == 2
+    programs.clear()
+    assert eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw).stats["warm_up_seconds"] > 0
 
 
 def test_scalar_arguments_read_alike_as_python_numpy_or_jax_scalars(pair):
@@ -183,14 +191,14 @@ def test_scalar_arguments_read_alike_as_python_numpy_or_jax_scalars(pair):
     think = dict(think_token_ids=(3, 4), end_thinking_ids=(4,))
 
     def request(conv):
-        return decode._prepare(target, drafter, [[5, 6, 7], [8, 9]], max_new_tokens=conv(4), temperature=conv(0.5),
+        return decode.prepare(target, drafter, [[5, 6, 7], [8, 9]], max_new_tokens=conv(4), temperature=conv(0.5),
                                top_p=conv(0.75), top_k=conv(5), tree=TreeConfig(conv(4), conv(1), conv(3)),
                                seed=conv(3), stop_token_ids=[conv(7)], tokenizer=None, thinking_budget=conv(2), **think)
 
     want = request(lambda x: x)
     for conv in (np.asarray, lambda x: np.array(x)[()], jnp.asarray):
         got = request(conv)
-        assert got.kw == want.kw and got.seed == want.seed
+        assert got.statics == want.statics and got.seed == want.seed
         np.testing.assert_array_equal(got.budget_B, want.budget_B)
     assert hash(TreeConfig(np.int64(4), 1, 3)) == hash(TreeConfig(4, 1, 3))
     assert isinstance(TreeConfig(np.int64(4), 1, 3).total_tokens, int)

@@ -42,27 +42,24 @@ def test_clear_compiled_unmaps_the_loops_kernels():
 
 
 @pytest.mark.skipif(not MAPS.exists(), reason="counts the memory maps of /proc/self/maps (Linux)")
-def test_a_dropped_loop_unmaps_its_kernels_without_clearing_jax(monkeypatch):
+def test_a_dropped_loop_unmaps_its_kernels_without_clearing_jax():
     """The cache of compiled loops bounds their memory by itself: a loop it evicts, or that
     ``clear_compiled`` drops, is unmapped without ``jax.clear_caches`` (JAX's own caches do
     not keep it), so that a process compiling many loops stays within the limit on maps."""
-    from collections import OrderedDict
-
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
-    monkeypatch.setattr(eagle3_jax.decode, "COMPILE_CACHE_SIZE", 1)
-    monkeypatch.setattr(eagle3_jax.decode, "_COMPILED", OrderedDict())
+    programs = eagle3_jax.decode.ProgramCache(1)
     jax.clear_caches()
     gc.collect()
     before = _maps()
     tree = eagle3_jax.TreeConfig(8, 3, 3)
-    eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=tree)
+    eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=tree, programs=programs)
     one = _maps() - before
     assert one > 100  # the loop's kernels
     for n in (9, 10, 11):  # each a loop of its own, evicting the one before
-        eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=n, tree=tree)
+        eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=n, tree=tree, programs=programs)
     gc.collect()
-    assert len(eagle3_jax.decode._COMPILED) == 1 and _maps() - before < 2 * one  # one loop's maps, not four
-    eagle3_jax.decode.clear_compiled()
+    assert len(programs) == 1 and _maps() - before < 2 * one  # one loop's maps, not four
+    programs.clear()
     gc.collect()
     assert _maps() - before < one // 4

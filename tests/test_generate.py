@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import eagle3_jax
 from eagle3_jax import decode as gen_mod, verify as verify_mod
+from eagle3_jax.decode import _loop as loop_mod  # where phase_rows reads COMPACT_FROM
 from eagle3_jax.kv_cache import advance
 from eagle3_jax.tree import TreeConfig, _select, expand
 from helpers import FIXTURES, oracle_drafter
@@ -107,7 +108,7 @@ def test_phases_leave_every_row_as_one_loop_over_the_batch(target, drafters, mon
     vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=64).tokens
     long_rows = set(vanilla[6]) | set(vanilla[7])  # rows 0-5 stop early (each at a token of its own), 6 and 7 do not
     stops = sorted({next(t for t in vanilla[r][3 + 6 * r:] if t not in long_rows) for r in range(6)})
-    assert gen_mod._phase_rows(8, 64) == (8, 4, 2)
+    assert gen_mod.phase_rows(8, 64) == (8, 4, 2)
     runs = [(None, 0.0), (drafters["drafter_tiny_trained"], 0.8)]
 
     def results():
@@ -118,8 +119,8 @@ def test_phases_leave_every_row_as_one_loop_over_the_batch(target, drafters, mon
     phased = results()
     lengths = sorted(map(len, phased[0].tokens))
     assert lengths[-2:] == [64, 64] and lengths[5] < 40  # two rows decode alone for 24+ steps
-    monkeypatch.setattr(gen_mod, "COMPACT_FROM", 10 ** 6)
-    assert gen_mod._phase_rows(8, 64) == (8,)
+    monkeypatch.setattr(loop_mod, "COMPACT_FROM", 10 ** 6)
+    assert gen_mod.phase_rows(8, 64) == (8,)
     for got, want in zip(phased, results()):
         assert got.tokens == want.tokens
         assert got.stats["accept_lengths"] == want.stats["accept_lengths"]
@@ -163,7 +164,7 @@ def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkey
     prompt, base = vanilla_samples
     monkeypatch.setattr(verify_mod, "_accepts", lambda u, remaining, p: u * remaining < 3 * p)
     jax.clear_caches()
-    gen_mod._COMPILED.clear()
+    gen_mod.PROGRAMS.clear()
     spec, _ = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
     pvals = []
     for pos in (1, 2):
@@ -171,7 +172,7 @@ def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkey
         pvals.append(_chi2_pvalue(spec[:, pos], base[:, pos], bins[0][np.argsort(-bins[1])[:12]]))
     monkeypatch.undo()
     jax.clear_caches()
-    gen_mod._COMPILED.clear()
+    gen_mod.PROGRAMS.clear()
     assert min(pvals) < 1e-3
 
 

@@ -403,7 +403,7 @@ def test_round_costs_are_timed_over_the_same_tokens_for_every_tier():
     """Each tier is forced for the rounds that make the same new tokens per row (so a long
     chain is not timed deeper into the answer than a short one), as many as the slowest tier
     per token makes in about ``seconds_long``, within ``[4 * rounds, max_new - 1]`` tokens."""
-    caps = eagle3_jax.decode._stretch_caps
+    caps = eagle3_jax.decode.stretch_caps
     # (rounds run, new tokens per row, seconds): plain steps, a chain of 4, a chain of 14
     first = [(8, 8.0, 0.030), (8, 36.0, 0.075), (8, 78.0, 0.170)]
     got = caps(first, rounds=8, seconds_long=0.4, max_new=256)
@@ -415,8 +415,16 @@ def test_round_costs_are_timed_over_the_same_tokens_for_every_tier():
     assert caps(first, rounds=8, seconds_long=0.001, max_new=256)[0] == 32  # at least 4 * rounds tokens
 
 
+def _stand_in_args(max_new):
+    """``compile_generate``'s arguments for a stand-in program: no states, inputs that only
+    say ``max_new_tokens`` (the round cap of an unforced call)."""
+    import jax.numpy as jnp
+
+    return (None, None, eagle3_jax.decode.LoopInputs(*(None,) * 6, jnp.int32(-1), max_new, jnp.bool_(False), None))
+
+
 @pytest.mark.parametrize("answer, max_new, keeps", [(120, 256, True), (30, 256, False), (120, 40, True)])
-def test_round_ms_times_every_tier_over_the_same_tokens(monkeypatch, answer, max_new, keeps):
+def test_round_ms_times_every_tier_over_the_same_tokens(answer, max_new, keeps):
     """``generate``'s round costs (a stand-in program: a prefill of 5 ms, rounds of 2, 5 and
     9 ms making 1, 4 and 10 tokens per row, answers of ``answer`` tokens): every tier is timed
     over the same new tokens, with the stop tokens kept; past them when some tier's first 8
@@ -430,7 +438,8 @@ def test_round_ms_times_every_tier_over_the_same_tokens(monkeypatch, answer, max
     costs, per_round, calls = (2.0, 5.0, 9.0), (1, 4, 10), []
 
     def program(compiled, args):
-        tier, cap, keep = int(args[8]), int(args[9]), bool(args[10])
+        inputs = args[-1]
+        tier, cap, keep = int(inputs.force_tier), int(inputs.round_cap), bool(inputs.keep_stops)
         limit = min(answer, max_new - 1) if keep else max_new - 1  # new tokens a row can make
         ran = min(cap, math.ceil(limit / per_round[tier]))
         made = min(ran * per_round[tier], limit)
@@ -439,17 +448,15 @@ def test_round_ms_times_every_tier_over_the_same_tokens(monkeypatch, answer, max
         accept[:, :ran] = per_round[tier] - 1
         return 0.005 + 1e-3 * costs[tier] * ran, {"n_out": np.full((2,), 1 + made), "accept": accept}
 
-    monkeypatch.setattr(decode, "_timed_call", program)
-    monkeypatch.setattr(decode, "_ROUND_MS", {})
-    args = (None,) * 9 + (jnp.int32(max_new), jnp.bool_(False), None)
-    assert decode._round_ms(object(), args, 3) == pytest.approx(costs)
+    args = _stand_in_args(jnp.int32(max_new))
+    assert decode.round_costs(decode.ProgramCache(), object(), args, 3, call=program) == pytest.approx(costs)
     timed = [c for c in calls[-4:] if c[1] > 0]  # the last pass: the prefill alone, then each tier
     assert len(timed) == 3 and {keep for _, _, keep, _ in timed} == {keeps}, timed
     made = [m for *_, m in timed]
     assert max(made) - min(made) < max(per_round), timed  # the same tokens, to within a round
 
 
-def test_a_slow_first_round_cost_measurement_does_not_pin_later_calls(monkeypatch):
+def test_a_slow_first_round_cost_measurement_does_not_pin_later_calls():
     """``generate``'s round costs for the adaptive policy are measured again on a program's
     first ``ROUND_MS_MEASUREMENTS`` calls, each tier the lower median so far: a first
     measurement that a busy spell slowed (here the chain's rounds 4.5× their cost, as once
@@ -463,23 +470,25 @@ def test_a_slow_first_round_cost_measurement_does_not_pin_later_calls(monkeypatc
     costs, per_round, slow = (2.0, 5.0, 9.0), (1, 4, 10), [4.5]
 
     def program(compiled, args):  # a prefill of 5 ms, then rounds of each tier's cost (× slow[0] for tier 1)
-        tier, cap = int(args[8]), int(args[9])
+        tier, cap = int(args[-1].force_tier), int(args[-1].round_cap)
         ran = min(cap, math.ceil(200 / per_round[tier]))
         accept = np.full((2, 512), -1)
         accept[:, :ran] = per_round[tier] - 1
         ms = costs[tier] * (slow[0] if tier == 1 else 1.0)
         return 0.005 + 1e-3 * ms * ran, {"n_out": np.full((2,), 1 + ran * per_round[tier]), "accept": accept}
 
-    monkeypatch.setattr(decode, "_timed_call", program)
-    monkeypatch.setattr(decode, "_ROUND_MS", {})
-    args = (None,) * 9 + (jnp.int32(256), jnp.bool_(False), None)
-    compiled = object()  # one program, called again and again
-    assert decode._round_ms(compiled, args, 3) == pytest.approx((2.0, 22.5, 9.0))  # the busy first call
+    args = _stand_in_args(jnp.int32(256))
+    compiled, programs = object(), decode.ProgramCache()  # one program, called again and again
+
+    def round_costs():
+        return decode.round_costs(programs, compiled, args, 3, call=program)
+
+    assert round_costs() == pytest.approx((2.0, 22.5, 9.0))  # the busy first call
     slow[0] = 1.0
-    assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)  # measured again: the spell is gone
+    assert round_costs() == pytest.approx(costs)  # measured again: the spell is gone
     slow[0] = 0.0
-    assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)  # the median of 22.5, 5 and 0 ms
+    assert round_costs() == pytest.approx(costs)  # the median of 22.5, 5 and 0 ms
     slow[0] = 4.5
     for _ in range(2):  # measured on the first 3 calls only
-        assert decode._round_ms(compiled, args, 3) == pytest.approx(costs)
-    assert len(decode._ROUND_MS[id(compiled)]) == decode.ROUND_MS_MEASUREMENTS == 3
+        assert round_costs() == pytest.approx(costs)
+    assert len(programs.measured(compiled)) == programs.measurements == decode.ROUND_MS_MEASUREMENTS == 3
