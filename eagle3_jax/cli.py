@@ -64,7 +64,7 @@ def describe_checkpoint(path: Path) -> dict:
         "rope": {"theta": cfg.rope.theta, "type": cfg.rope.rope_type},
         "tied_embeddings": cfg.tie_word_embeddings,
         "capture_layers": list(cfg.capture_layers),
-        "feature_width": 3 * cfg.hidden_size,
+        "feature_width": cfg.feature_width,
         "dtype": cfg.torch_dtype,
         "files": files,
     }

@@ -31,6 +31,7 @@ import eagle3_jax  # noqa: E402
 from eagle3_jax import builtin  # noqa: E402
 from eagle3_jax.config import DrafterConfig  # noqa: E402
 from eagle3_jax.train.ttt import ttt_step  # noqa: E402
+from eagle3_jax.speculation import Speculation  # noqa: E402
 from eagle3_jax.tree import TreeConfig  # noqa: E402
 
 # the built-in target's shapes (eagle3_jax/assets/builtin/target): 16 layers, captured 2, 8, 13
@@ -247,6 +248,9 @@ def test_every_variant_drafts_losslessly_on_the_builtin_target(target, saved, na
     vanilla = eagle3_jax.generate(t, None, prompts, max_new_tokens=24).tokens
     res = eagle3_jax.generate(t, drafter, prompts, max_new_tokens=24, tree=TreeConfig(12, 4, 3))
     assert res.tokens == vanilla
+    if name in ("two_captured", "two_layers"):  # plain steps, then the drafter's catch-up over their features
+        plain = eagle3_jax.generate(t, drafter, prompts, max_new_tokens=24, speculation=Speculation.fixed(None))
+        assert plain.tokens == vanilla
 
 
 # ---------------------------------------------------------------------------- refusals
