@@ -13,8 +13,9 @@ device writes, commits and reads its own rows), and on (data=8) the decode loop 
 collective but all-reduces of scalars (no row's data moves between devices).  Then a batch of 8 whose rows end at
 different times, on (data=2, tensor=4), so that it decodes in phases (each device's rows
 gathered into fewer on that device): the tokens and round records of one device, vanilla
-greedy and speculative sampled.  ``--quick`` (the test suite's) runs the tiny pair,
-speculative only, and the phases.
+greedy and speculative sampled.  A random two-layer Qwen3 drafter of the speculators layout
+(``fc_norm``, ``norm_output``) with the tiny target, speculative, on (data=2, tensor=4).
+``--quick`` (the test suite's) runs the tiny pairs, speculative only, and the phases.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 import eagle3_jax
 from eagle3_jax import builtin, decode, sharding
+from eagle3_jax.config import DrafterConfig
 from eagle3_jax.decode import encode_chat
+from eagle3_jax.models.drafter import Drafter
 from eagle3_jax.models.target import declare
 from eagle3_jax.tree import TreeConfig
 
@@ -44,12 +48,19 @@ def _pairs(quick: bool):
 
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
-    yield "tiny", target, drafter, [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]], TreeConfig.chain(3), None
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    yield "tiny", target, drafter, prompts, TreeConfig.chain(3), None, MESHES
+    # a speculators-style drafter (random weights): two Qwen3 layers, a norm per captured layer,
+    # the normed hidden fed back; its two-layer cache split like the target's
+    cfg = DrafterConfig.for_target(target.config, target.config.vocab_size, num_layers=2, layer_family="qwen3",
+                                   fc_norm=True, norm_output=True)
+    two = Drafter(cfg, target.embed[...], rngs=nnx.Rngs(1))
+    yield "tiny-2l", target, two, prompts, TreeConfig(8, 2, 3), None, MESHES[:1]
     if not quick:
         target, drafter, tok = builtin.load()
         prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in builtin.eval_tasks()[:3]]
         # its 910 ids do not split over tensor=4 or 8: the embedding and the head are replicated
-        yield "builtin", target, drafter, prompts, TreeConfig.chain(4), {"vocab": None}
+        yield "builtin", target, drafter, prompts, TreeConfig.chain(4), {"vocab": None}, MESHES
 
 
 def check_cache_layout(compiled_text: str, cfg, batch: int, max_len: int, mesh) -> str:
@@ -166,12 +177,13 @@ def main(argv=None):
     if len(jax.devices()) < 8:
         raise SystemExit("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     start = time.perf_counter()
-    for name, target, drafter, prompts, tree, rules in _pairs(args.quick):
-        modes = ((None, "vanilla"), (drafter, f"chain{tree.total_tokens - 1}"))
+    for name, target, drafter, prompts, tree, rules, meshes in _pairs(args.quick):
+        label = f"chain{tree.total_tokens - 1}" if tree.top_k == 1 else f"tree{tree.total_tokens},{tree.depth},{tree.top_k}"
+        modes = ((None, "vanilla"), (drafter, label))
         for d, mode in modes[1:] if args.quick else modes:
             kw = dict(max_new_tokens=args.max_new_tokens, tree=tree)
             want = eagle3_jax.generate(target, d, prompts, **kw).tokens
-            for axes in MESHES:
+            for axes in meshes:
                 mesh = sharding.make_mesh(**axes)
                 got = eagle3_jax.generate(target, d, prompts, mesh=mesh, rules=rules, **kw).tokens
                 assert got == want, (name, mode, axes)
