@@ -30,6 +30,7 @@ from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 import eagle3_jax  # noqa: E402
 from eagle3_jax import builtin  # noqa: E402
 from eagle3_jax.config import DrafterConfig  # noqa: E402
+from eagle3_jax.decode import Slots  # noqa: E402
 from eagle3_jax.train.ttt import ttt_step  # noqa: E402
 from eagle3_jax.speculation import Speculation  # noqa: E402
 from eagle3_jax.tree import TreeConfig  # noqa: E402
@@ -251,6 +252,23 @@ def test_every_variant_drafts_losslessly_on_the_builtin_target(target, saved, na
     if name in ("two_captured", "two_layers"):  # plain steps, then the drafter's catch-up over their features
         plain = eagle3_jax.generate(t, drafter, prompts, max_new_tokens=24, speculation=Speculation.fixed(None))
         assert plain.tokens == vanilla
+
+
+
+def test_the_slot_engine_serves_a_multi_layer_drafter(target, saved):
+    """The server's engine (``Slots``) with a three-layer Qwen3 drafter ("everything"): two
+    requests in two slots get vanilla decoding's tokens."""
+    drafter = eagle3_jax.load_drafter(saved["everything"][1], target=target)
+    prompts = [[1, 17, 30, 44, 52, 9], [1, 80, 81, 82]]
+    vanilla = eagle3_jax.generate(target, None, prompts, max_new_tokens=24).tokens
+    slots = Slots(target, drafter, num_slots=2, max_len=96, speculation=TreeConfig(12, 4, 3))
+    for s, p in enumerate(prompts):
+        slots.insert(s, prompt_ids=p, max_new_tokens=24)
+    views = slots.poll()
+    while not all(v.done for v in views):
+        slots.run(4)
+        views = slots.poll()
+    assert [v.tokens for v in views] == vanilla
 
 
 # ---------------------------------------------------------------------------- refusals
