@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from eagle3_jax.atomic import write_atomic
+
 STEPS = ("prepare", "regenerate", "vocab", "fit", "export")
 
 DEFAULTS = {
@@ -426,7 +428,7 @@ def _regenerate(cfg, work: Path, **_):
     if not cfg["regenerate"]["enabled"]:
         if _writer():
             with open(work / "prepared.npz", "rb") as src:
-                data.write_atomic(work / "regenerated.npz", lambda f: shutil.copyfileobj(src, f))
+                write_atomic(work / "regenerated.npz", lambda f: shutil.copyfileobj(src, f))
         return
     convs = json.loads((work / "conversations.json").read_text())
     index, count = jax.process_index(), jax.process_count()
@@ -498,7 +500,7 @@ def _fit(cfg, work: Path, *, resume: bool = True):
                       work_dir=work, mesh=mesh)
     best = trainer.fit(resume=resume)
     if _writer():
-        data.write_atomic(work / "best.json", lambda f: f.write((json.dumps(best) + "\n").encode()))
+        write_atomic(work / "best.json", lambda f: f.write((json.dumps(best) + "\n").encode()))
     print(f"best simulated acceptance length {best['sim_accept_len']:.3f} at step {best['step']}")
 
 
