@@ -12,7 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from eagle3_jax import budget
+from eagle3_jax import budget, limits
 from eagle3_jax.atomic import write_atomic
 from eagle3_jax.checkpoint import DTYPES, check_output_path
 from eagle3_jax.layers import ATTENTION_IMPLS
@@ -462,21 +462,21 @@ def _serve_common(p):
     """The pair and the slots, for ``serve`` and ``replay``."""
     _pair_args(p)
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS, help="target attention (as for generate)")
-    p.add_argument("--max-batch", type=_number(int, "max-batch", lo=1), default=8, help="slots decoded together")
-    p.add_argument("--max-queue", type=_number(int, "max-queue", lo=0), default=64,
+    p.add_argument("--max-batch", type=_number("max-batch", limits.POSITIVE), default=8, help="slots decoded together")
+    p.add_argument("--max-queue", type=_number("max-queue", limits.NON_NEGATIVE), default=64,
                    help="requests that may wait beyond the free slots before new ones get 429 (0: no waiting line, "
                         "a request is taken only into a free slot)")
-    p.add_argument("--max-len", type=_number(int, "max-len", lo=2), default=None,
+    p.add_argument("--max-len", type=_number("max-len", limits.MAX_LEN), default=None,
                    help="tokens per slot, prompt included (default: the target's max_position_embeddings, at most 4096)")
-    p.add_argument("--rounds-per-dispatch", type=_number(int, "rounds-per-dispatch", lo=1), default=16,
+    p.add_argument("--rounds-per-dispatch", type=_number("rounds-per-dispatch", limits.POSITIVE), default=16,
                    help="the most decode rounds per host sync (while no request waits)")
-    p.add_argument("--dispatch-ms", type=_number(float, "dispatch-ms", lo=0.0, lo_open=True), default=None,
+    p.add_argument("--dispatch-ms", type=_number("dispatch-ms", limits.POSITIVE_FLOAT), default=None,
                    help="also at most the rounds that take this long, at the engine's dearest round (measured at "
                         "start-up; default: no time bound)")
     p.add_argument("--reasoning-effort-budgets", type=_budget, nargs=3, metavar=("LOW", "MEDIUM", "HIGH"),
                    help="thinking budgets of reasoning_effort low/medium/high (default: 16 64 unlimited for the "
                         "built-in pair, else 256 1024 unlimited)")
-    p.add_argument("--max-body-bytes", type=_number(int, "max-body-bytes", lo=1), default=None, metavar="N",
+    p.add_argument("--max-body-bytes", type=_number("max-body-bytes", limits.POSITIVE), default=None, metavar="N",
                    help="larger request bodies get 413 before they are parsed (default: sized from --max-len and the "
                         "tokenizer: the longest prompt text that can fit, as JSON)")
     _compile_cache_arg(p)
@@ -562,23 +562,19 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
-def _number(kind, name: str, *, lo=None, hi=None, lo_open: bool = False):
-    """An argparse ``type``: ``kind`` (int / float, finite) within ``[lo, hi)`` (``(lo, hi]`` with ``lo_open``)."""
+def _number(name: str, rng: limits.Range):
+    """An argparse ``type``: a number within ``rng`` (one of :mod:`eagle3_jax.limits`' ranges)."""
 
     def parse(text: str):
         try:
-            value = kind(text)
+            value = rng.kind(text)
         except ValueError:
-            value = None
-        if value is None or (kind is float and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a finite number'}, got {text!r}")
-        low_bad = lo is not None and (value <= lo if lo_open else value < lo)
-        high_bad = hi is not None and (value > hi if lo_open else value >= hi)
-        if low_bad or high_bad:
-            bounds = (f"{'>' if lo_open else '>='} {lo}" if lo is not None else "") + \
-                     (" and " if lo is not None and hi is not None else "") + \
-                     (f"{'<=' if lo_open else '<'} {hi}" if hi is not None else "")
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+            value = text
+        value, error = limits.problem(value, rng)
+        if isinstance(error, TypeError):
+            raise argparse.ArgumentTypeError(f"{error}, got {text!r}")
+        if error:
+            raise argparse.ArgumentTypeError(f"{error}, got {text}")
         return value
 
     parse.__name__ = name  # argparse names the type in "invalid <name> value" messages
@@ -823,20 +819,20 @@ def _common(p, mesh: bool = True):
     p.add_argument("--attention", default="xla", choices=ATTENTION_IMPLS,
                    help="target attention: xla, or pallas (the tree-attention kernel where one runs: TPU, Hopper "
                         "GPU with bfloat16; XLA elsewhere); *_interpret: a kernel in its CPU interpreter (slow)")
-    p.add_argument("--max-new-tokens", type=_number(int, "max-new-tokens", lo=1), default=None,
+    p.add_argument("--max-new-tokens", type=_number("max-new-tokens", limits.MAX_NEW_TOKENS), default=None,
                    help=f"default {DEFAULT_MAX_NEW_TOKENS}; generate and experiment on the built-in pair: enough for "
                         "its longest answer")
-    p.add_argument("--top-p", type=_number(float, "top-p", lo=0.0, hi=1.0, lo_open=True), default=1.0,
+    p.add_argument("--top-p", type=_number("top-p", limits.TOP_P), default=1.0,
                    help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--top-k", type=_number(int, "top-k", lo=0), default=0, help="0: no top-k")
-    p.add_argument("--thinking-budget", type=_number(int, "thinking-budget", lo=0), default=None, metavar="B",
-                   help="thinking tokens allowed before the end of thinking is forced (default: unlimited; needs a "
-                        "tokenizer with <think>/</think>)")
+    p.add_argument("--top-k", type=_number("top-k", limits.TOP_K), default=0, help="0: no top-k")
+    p.add_argument("--thinking-budget", type=_number("thinking-budget", limits.THINKING_BUDGET), default=None,
+                   metavar="B", help="thinking tokens allowed before the end of thinking is forced (default: "
+                                     "unlimited; needs a tokenizer with <think>/</think>)")
     p.add_argument("--thinking-mode", choices=budget.MODES, default="hard",
                    help="hard: force at B; soft: the model may close by itself within --thinking-grace more tokens")
-    p.add_argument("--thinking-grace", type=_number(int, "thinking-grace", lo=0), default=16, metavar="G",
+    p.add_argument("--thinking-grace", type=_number("thinking-grace", limits.THINKING_GRACE), default=16, metavar="G",
                    help="soft mode's grace in tokens (default 16)")
-    p.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    p.add_argument("--seed", type=_number("seed", limits.SEED), default=0)
     _compile_cache_arg(p)
     if mesh:  # decoding on a mesh: generate and bench (the experiment runs on one device)
         p.add_argument("--mesh", type=_mesh_arg, default=None, metavar="{auto,none,AXES}",
@@ -874,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     conv.set_defaults(func=_cmd_convert)
 
-    temperature = _number(float, "temperature", lo=0.0)
+    temperature = _number("temperature", limits.TEMPERATURE)
     gen = sub.add_parser("generate", help="answer a prompt with EAGLE-3 (the built-in pair by default) and "
                                           "compare with vanilla decoding")
     gen.add_argument("prompt", nargs="?", help="prompt text (chat template applied when the tokenizer has one)")
@@ -895,18 +891,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "and 0.7 for the built-in pair, else 0)")
     bench.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="tree budgets TOTAL,DEPTH,TOPK or chainN")
     bench.add_argument("--prompts", type=_path, help="JSON list of prompts (token-id lists or strings)")
-    bench.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
+    bench.add_argument("--num-prompts", type=_number("num-prompts", limits.POSITIVE),
                        help=f"first N eval tasks of the built-in pair (default {BUILTIN_PROMPTS}: the families take "
                             "turns, so 16 each), or N random 16-token prompts "
                             "when --target has no --prompts (default 4)")
-    bench.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
-    bench.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=1,
+    bench.add_argument("--batch-size", type=_number("batch-size", limits.POSITIVE), default=1)
+    bench.add_argument("--repeats", type=_number("repeats", limits.POSITIVE), default=1,
                        help="time each setting as the fastest of N passes (each pass runs every mode on a batch before the next)")
     bench.add_argument("--json", type=_path, default="bench.json",
                        help="write the report here (missing directories are created)")
     bench.add_argument("--figure", type=_path, default="bench.png",
                        help="write the figure here (.png, .pdf, .svg, ...; missing directories are created)")
-    bench.add_argument("--max-new-tokens-sweep", type=_number(int, "max-new-tokens-sweep", lo=1), nargs="+",
+    bench.add_argument("--max-new-tokens-sweep", type=_number("max-new-tokens-sweep", limits.MAX_NEW_TOKENS), nargs="+",
                        metavar="N", help="one report per value (the cache grows with it), instead of --max-new-tokens")
     bench.add_argument("--adaptive", action="store_true",
                        help="also run the adaptive policy over the --tree budgets (and no drafting) as tiers")
@@ -925,18 +921,18 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="static tiers (default chain4 chain6 16,4,4)")
     exp.add_argument("--prompts", type=_path,
                      help="JSON list of prompts (token-id lists or strings); default: the built-in eval set")
-    exp.add_argument("--num-prompts", type=_number(int, "num-prompts", lo=1),
+    exp.add_argument("--num-prompts", type=_number("num-prompts", limits.POSITIVE),
                      help=f"first N prompts (default: all --prompts, or the built-in eval set's first {EXPERIMENT_PROMPTS})")
-    exp.add_argument("--batch-size", type=_number(int, "batch-size", lo=1), default=1)
+    exp.add_argument("--batch-size", type=_number("batch-size", limits.POSITIVE), default=1)
     exp.add_argument("--sampled-temperature", type=temperature, default=0.7,
                      help="also compare sampled accuracy at this temperature (0: greedy only)")
-    exp.add_argument("--replay-rates", type=_number(float, "replay-rates", lo=0.0, lo_open=True), nargs="*",
+    exp.add_argument("--replay-rates", type=_number("replay-rates", limits.POSITIVE_FLOAT), nargs="*",
                      default=[4.0, 16.0, 64.0], metavar="R",
                      help="step 3: arrival rates (requests/s) replayed against a loopback server (default 4 16 64; "
                           "none: skip step 3)")
-    exp.add_argument("--replay-requests", type=_number(int, "replay-requests", lo=1), default=24,
+    exp.add_argument("--replay-requests", type=_number("replay-requests", limits.POSITIVE), default=24,
                      help="requests per mode and rate in step 3")
-    exp.add_argument("--repeats", type=_number(int, "repeats", lo=1), default=3,
+    exp.add_argument("--repeats", type=_number("repeats", limits.POSITIVE), default=3,
                      help="timed passes of steps 1 and 2, the rows taking turns (default 3): each timing is the median "
                           "with its min-max")
     exp.add_argument("--keep-policy-state", action="store_true",
@@ -949,7 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "pair by default)")
     _serve_common(srv)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=_number(int, "port", lo=0, hi=65536), default=8000)
+    srv.add_argument("--port", type=_number("port", limits.PORT), default=8000)
     srv.add_argument("--speculation", type=_speculation, default="auto",
                      help="auto (the adaptive policy over a few tiers), off (vanilla), or one tier TOTAL,DEPTH,TOPK "
                           "or chainN")
@@ -961,20 +957,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="Poisson arrivals of the eval prompts against a loopback server, for vanilla, "
                                         "each tier and adaptive: throughput, goodput, TTFT/TPOT, the crossover")
     _serve_common(rep)
-    rep.add_argument("--rate", type=_number(float, "rate", lo=0.0, lo_open=True), nargs="+", required=True,
+    rep.add_argument("--rate", type=_number("rate", limits.POSITIVE_FLOAT), nargs="+", required=True,
                      metavar="R", help="arrival rates in requests per second")
-    rep.add_argument("--requests", type=_number(int, "requests", lo=1), default=64, metavar="N",
+    rep.add_argument("--requests", type=_number("requests", limits.POSITIVE), default=64, metavar="N",
                      help="requests per mode and rate (the eval prompts, cycled)")
     rep.add_argument("--tree", type=_tree, nargs="+", action=_Trees, help="static tiers (default chain4 chain6 16,4,4)")
-    rep.add_argument("--max-tokens", type=_number(int, "max-tokens", lo=1), default=256, help="per request")
-    rep.add_argument("--temperature", type=_number(float, "temperature", lo=0.0), default=0.0)
-    rep.add_argument("--ttft-slo", type=_number(float, "ttft-slo", lo=0.0, lo_open=True), default=1.0, metavar="S",
+    rep.add_argument("--max-tokens", type=_number("max-tokens", limits.MAX_NEW_TOKENS), default=256, help="per request")
+    rep.add_argument("--temperature", type=_number("temperature", limits.TEMPERATURE), default=0.0)
+    rep.add_argument("--ttft-slo", type=_number("ttft-slo", limits.POSITIVE_FLOAT), default=1.0, metavar="S",
                      help="goodput counts requests whose time to first token is at most S seconds")
-    rep.add_argument("--tpot-slo", type=_number(float, "tpot-slo", lo=0.0, lo_open=True), default=0.02, metavar="S",
+    rep.add_argument("--tpot-slo", type=_number("tpot-slo", limits.POSITIVE_FLOAT), default=0.02, metavar="S",
                      help="... and whose time per output token is at most S seconds")
-    rep.add_argument("--max-seconds", type=_number(float, "max-seconds", lo=0.0, lo_open=True), default=120.0,
+    rep.add_argument("--max-seconds", type=_number("max-seconds", limits.POSITIVE_FLOAT), default=120.0,
                      help="wall-clock bound per mode and rate (unfinished requests count as failed)")
-    rep.add_argument("--seed", type=_number(int, "seed", lo=0, hi=2 ** 32), default=0)
+    rep.add_argument("--seed", type=_number("seed", limits.SEED), default=0)
     rep.add_argument("--json", type=_path, default="replay.json", help="write the report here")
     rep.add_argument("--figure", type=_path, default="replay.png", help="goodput vs arrival rate per mode")
     rep.set_defaults(func=_cmd_replay)
@@ -996,8 +992,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", type=_path, required=True, help="YAML config (see configs/)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides, as for train")
     pl.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=4 (default: the config's mesh)")
-    pl.add_argument("--batch", type=_number(int, "batch", lo=1), help="KV-cache batch (default: regenerate.batch_size)")
-    pl.add_argument("--seq-len", type=_number(int, "seq-len", lo=1), help="KV-cache length (default: seq_len)")
+    pl.add_argument("--batch", type=_number("batch", limits.POSITIVE), help="KV-cache batch (default: regenerate.batch_size)")
+    pl.add_argument("--seq-len", type=_number("seq-len", limits.POSITIVE), help="KV-cache length (default: seq_len)")
     pl.add_argument("--device-memory", help="memory of one device, e.g. 16GiB: say whether decode and fit fit")
     pl.add_argument("--target-config", type=_path, help="the target's config.json, where the config's target directory is "
                                             "not on this machine (default: configs/targets/<name>.json beside it)")
@@ -1005,9 +1001,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "fit step for this TPU topology (e.g. v5e:2x4, v5p:2x2x2, v6e:2x4; 'config': the "
                                        "config's own; needs the 'tpu' extra, no TPU): per-device memory, fits, flops, "
                                        "bytes, roofline times")
-    pl.add_argument("--tau", type=_number(float, "tau", lo=1), help="with --topology: committed tokens per round for "
-                    "the predicted speedup (default: the run's recorded acceptance, else 3)")
-    pl.add_argument("--prompt-len", type=_number(int, "prompt-len", lo=1),
+    pl.add_argument("--tau", type=_number("tau", limits.Range(float, lo=1)),
+                    help="with --topology: committed tokens per round for the predicted speedup (default: the "
+                         "run's recorded acceptance, else 3)")
+    pl.add_argument("--prompt-len", type=_number("prompt-len", limits.POSITIVE),
                     help="with --topology: prompt tokens of the decode programs (default: seq_len / 2)")
     pl.add_argument("--attention", choices=("xla", "pallas"), default="pallas",
                     help="with --topology: the decode programs' attention (default: pallas, the Mosaic TPU kernel)")

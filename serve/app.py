@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle3_jax import limits
 from eagle3_jax.atomic import write_atomic
-from eagle3_jax.decode import MIN_TEMPERATURE  # below it, a request's sampling is greedy
 from eagle3_jax.serve.engine import Engine, EngineDown, Params, QueueFull
 from eagle3_jax.serve.metrics import CONTENT_TYPE_LATEST, Metrics
 from eagle3_jax.serve.text import blank_problem, encoding_problem
@@ -141,18 +141,18 @@ class _Sampling(_Strict):
     ``stop_token_ids`` / ``return_token_ids`` and the thinking budget)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, **limits.MAX_NEW_TOKENS.pydantic())
+    max_completion_tokens: int | None = Field(None, **limits.MAX_NEW_TOKENS.pydantic())
+    temperature: float | None = Field(None, le=2, **limits.TEMPERATURE.pydantic())  # OpenAI's upper bound
+    top_p: float | None = Field(None, **limits.TOP_P.pydantic())
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 32)
+    seed: int | None = Field(None, **limits.SEED.pydantic())
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = Field(1, **limits.POSITIVE.pydantic())
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    thinking_budget: int | None = Field(None, ge=0, lt=2 ** 31)
+    thinking_budget: int | None = Field(None, **limits.THINKING_BUDGET.pydantic())
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     return_token_ids: bool | None = False
     user: str | None = None
@@ -405,7 +405,7 @@ def resolve(req: _Sampling, prompt_ids: list[int], engine: Engine, cfg: ServerCo
         raise ApiError(400, f"{name}={limit} is too large: a prompt of {len(prompt_ids)} tokens leaves room for at most "
                             f"{room} new tokens (context {slots.request_len})", name, "context_length_exceeded")
     temperature = cfg.temperature if req.temperature is None else req.temperature
-    if temperature < MIN_TEMPERATURE:
+    if temperature < limits.MIN_TEMPERATURE:
         temperature = 0.0  # greedy
     budget = req.thinking_budget
     if req.reasoning_effort is not None:

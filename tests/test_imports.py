@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"eagle3_jax": ROOT / "eagle3_jax", "eagle3_jax.train": ROOT / "train",
             "eagle3_jax.serve": ROOT / "serve", "eagle3_jax.pallas_kernels": ROOT / "pallas_kernels"}
 CORE = ("config", "params", "layers", "models", "kv_cache", "tree", "verify", "budget", "speculation", "decode",
-        "checkpoint", "sharding", "atomic", "vocab", "pallas_kernels")
+        "checkpoint", "sharding", "atomic", "vocab", "limits", "pallas_kernels")
 TOOLS = ("bench", "experiment", "cost", "plan", "topology", "builtin")
 LAYERS = {**dict.fromkeys(CORE, 0), "train": 1, "serve": 1, **dict.fromkeys(TOOLS, 2), "cli": 3}
 LAYER_NAMES = ("core", "train/serve", "tools", "cli")

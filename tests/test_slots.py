@@ -106,7 +106,7 @@ def test_release_frees_a_slot_and_bad_inserts_are_refused(pair):
     slots.insert(0, prompts[1], max_new_tokens=8)  # free again
     with pytest.raises(ValueError, match="max_new_tokens: a prompt of"):
         slots.insert(1, prompts[1], max_new_tokens=96)
-    with pytest.raises(ValueError, match="slot must be in"):
+    with pytest.raises(ValueError, match=r"^slot=2: must be >= 0 and < 2$"):  # the argument and its range
         slots.insert(2, prompts[1], max_new_tokens=8)
     with pytest.raises(ValueError, match="temperature"):
         slots.insert(1, prompts[1], max_new_tokens=8, temperature=-1.0)

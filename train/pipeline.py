@@ -26,16 +26,15 @@ import copy
 import dataclasses
 import difflib
 import json
-import math
 import os
 import shutil
 import time
-import typing
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from eagle3_jax import limits
 from eagle3_jax.atomic import write_atomic
 
 STEPS = ("prepare", "regenerate", "vocab", "fit", "export")
@@ -64,11 +63,12 @@ DEFAULTS = {
 }
 
 # allowed ranges of the keys outside ``fit`` (FitConfig checks its own: eagle3_jax.train.trainer.FIT_LIMITS)
-LIMITS = {"seq_len": (">=", 2), "draft_vocab_size": (">=", 1), "dtype": ("in", ("float32", "bfloat16", "float16")),
-          "regenerate.max_new_tokens": (">=", 1), "regenerate.temperature": (">=", 0), "regenerate.batch_size": (">=", 1),
-          "regenerate.tensor": (">=", 1),
-          "drafter.seed": (">=", 0), "drafter.num_layers": (">=", 1),
-          "drafter.layer_family": ("in", ("llama", "qwen3")), "mesh.data": (">=", -1), "mesh.fsdp": (">=", 1), "mesh.tensor": (">=", 1)}
+LIMITS = {"seq_len": limits.MAX_LEN, "draft_vocab_size": limits.POSITIVE, "dtype": limits.DTYPE,
+          "regenerate.max_new_tokens": limits.MAX_NEW_TOKENS, "regenerate.temperature": limits.TEMPERATURE,
+          "regenerate.batch_size": limits.POSITIVE, "regenerate.tensor": limits.POSITIVE,
+          "drafter.seed": limits.NON_NEGATIVE, "drafter.num_layers": limits.POSITIVE,
+          "drafter.layer_family": limits.Range(str, choices=("llama", "qwen3")), "mesh.data": limits.Range(int, lo=-1),
+          "mesh.fsdp": limits.POSITIVE, "mesh.tensor": limits.POSITIVE}
 
 # what each step reads from / writes to work_dir
 INPUTS = {"prepare": (), "regenerate": ("conversations.json",), "vocab": ("regenerated.npz",),
@@ -83,14 +83,12 @@ _TRUE, _FALSE, _NULL = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), 
 def schema() -> dict[str, type | None]:
     """Every config key, dotted (``fit.lr``), → its type: ``int``, ``float``, ``bool``, ``str``,
     ``tuple`` (of ints) or ``None`` (an optional path)."""
-    from eagle3_jax.train.trainer import FitConfig
+    from eagle3_jax.train.trainer import FIT_LIMITS
 
-    hints = typing.get_type_hints(FitConfig)
     out = {}
     for key, value in DEFAULTS.items():
         if key == "fit":
-            out.update({f"fit.{f.name}": typing.get_origin(hints[f.name]) or hints[f.name]
-                        for f in dataclasses.fields(FitConfig)})
+            out.update({f"fit.{name}": rng.kind for name, rng in FIT_LIMITS.items()})
         elif isinstance(value, dict):
             out.update({f"{key}.{k}": None if v is None else type(v) for k, v in value.items()})
         else:
@@ -102,7 +100,7 @@ def load_config(path: str | Path, overrides=()) -> dict:
     """YAML config merged over the defaults, then ``a.b=value`` overrides; every value read
     as its key's type (:func:`schema`) and range-checked.  Raises ``ValueError`` naming the
     key (unknown keys with the closest known ones) and where it came from."""
-    from eagle3_jax.train.trainer import FitConfig, out_of_range
+    from eagle3_jax.train.trainer import FitConfig
 
     path = Path(path)
     kinds = schema()
@@ -120,7 +118,7 @@ def load_config(path: str | Path, overrides=()) -> dict:
     for key, value in flat.items():
         if key.startswith("fit."):
             continue  # FitConfig below
-        problem = out_of_range(value, LIMITS.get(key)) or (
+        problem = (limits.problem(value, LIMITS[key])[1] if key in LIMITS else None) or (
             "must be -1 (all devices) or >= 1" if key == "mesh.data" and value == 0 else None)
         if problem:
             raise ValueError(f"{key}={value!r} ({origin[key]}): {problem}")
@@ -196,8 +194,6 @@ def _check_known(key: str, kinds: dict, where: str):
 
 def _coerce(key: str, value, kind, origin: str):
     """``value`` (a YAML value or an override's text) as ``kind`` (see :func:`schema`)."""
-    from eagle3_jax.train.trainer import KIND_NAMES
-
     text = value.strip() if isinstance(value, str) else None
     if kind is tuple:  # of ints: a YAML list, "[8, 16]" or "8,16"
         try:
@@ -207,30 +203,24 @@ def _coerce(key: str, value, kind, origin: str):
             items = None
         if isinstance(items, (list, tuple)):
             return tuple(_coerce(f"{key}[{i}]", v, int, origin) for i, v in enumerate(items))
-    try:
-        if kind is None:  # an optional path
-            if value is None or (text is not None and text.lower() in _NULL):
-                return None
-            if text:
-                return os.path.expanduser(value)  # ~/data.jsonl as the shell would read it
-        elif kind is bool:
-            if isinstance(value, bool):
-                return value
-            if text and text.lower() in _TRUE + _FALSE:
-                return text.lower() in _TRUE
-        elif kind is int:
-            if type(value) is int or text:
-                return int(value)
-        elif kind is float:
-            if type(value) in (int, float) or text:
-                number = float(value)
-                if math.isfinite(number):
-                    return number
-        elif kind is str and isinstance(value, str):
-            return value
-    except ValueError:
-        pass
-    raise ValueError(f"{key}={value!r} ({origin}): expected {'a path or null' if kind is None else KIND_NAMES[kind]}")
+    if kind is None:  # an optional path
+        if value is None or (text is not None and text.lower() in _NULL):
+            return None
+        if text:
+            return os.path.expanduser(value)  # ~/data.jsonl as the shell would read it
+    else:
+        read = value
+        if text and kind is bool and text.lower() in _TRUE + _FALSE:
+            read = text.lower() in _TRUE
+        elif text and kind in (int, float):
+            try:
+                read = kind(text)  # "1e-4", "1_024"
+            except ValueError:
+                pass
+        read, error = limits.problem(read, limits.Range(kind))
+        if error is None:
+            return read
+    raise ValueError(f"{key}={value!r} ({origin}): expected {'a path or null' if kind is None else limits.KIND_NAMES[kind]}")
 
 
 def run(step: str, cfg: dict, *, resume: bool = True):

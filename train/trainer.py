@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import time
-import typing
 from pathlib import Path
 
 import jax
@@ -26,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from eagle3_jax import sharding
+from eagle3_jax import limits, sharding
 from eagle3_jax.checkpoint import save_drafter
 from eagle3_jax.models import drafter as drafter_mod, target as target_mod
 from eagle3_jax.train import data
@@ -56,54 +55,22 @@ class FitConfig:
     remat: bool = True  # recompute each TTT step's layer in the backward pass (less memory, more compute)
 
     def __post_init__(self):
-        """Type- and range-checks every field (errors name it ``fit.<field>``); ints given
-        for floats become floats, a list of buckets a tuple."""
-        hints = typing.get_type_hints(FitConfig)
+        """Type- and range-checks every field against ``FIT_LIMITS`` (errors name it
+        ``fit.<field>``); ints given for floats become floats, a list of buckets a tuple."""
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = typing.get_origin(hints[f.name]) or hints[f.name]
-            if kind is float and type(value) is int:
-                value = float(value)
-            elif kind is tuple and isinstance(value, list):
-                value = tuple(value)
-            if not _is_kind(value, kind):
-                raise TypeError(f"fit.{f.name}={value!r}: expected {KIND_NAMES[kind]}")
-            problem = out_of_range(value, FIT_LIMITS.get(f.name))
-            if problem:
-                raise ValueError(f"fit.{f.name}={value!r}: {problem}")
-            object.__setattr__(self, f.name, value)
+            object.__setattr__(self, f.name, limits.check(f"fit.{f.name}", getattr(self, f.name), FIT_LIMITS[f.name]))
         if self.batch_size % self.micro_batches:
             raise ValueError(f"fit.micro_batches={self.micro_batches}: must divide fit.batch_size={self.batch_size}")
 
 
-KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
-              tuple: "a list of integers"}
-
-# each field's allowed range: (">=" | ">", bound) or ("in", choices); a tuple's bound applies to each item
-FIT_LIMITS = {"steps": (">=", 1), "batch_size": (">=", 1), "lr": (">", 0), "warmup_steps": (">=", 0),
-              "end_lr_ratio": (">=", 0), "ttt_length": (">=", 1), "step_weight": (">", 0), "clip_norm": (">", 0),
-              "compute_dtype": ("in", ("float32", "bfloat16", "float16")), "seed": (">=", 0), "save_every": (">=", 1),
-              "keep": (">=", 1), "log_every": (">=", 1), "buckets": (">=", 1), "micro_batches": (">=", 1),
-              "loss_chunk": (">=", 1)}
-
-
-def _is_kind(value, kind) -> bool:
-    if kind is tuple:
-        return isinstance(value, tuple) and all(_is_kind(v, int) for v in value)
-    if kind in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, kind) and (kind is not float or math.isfinite(value))
-
-
-def out_of_range(value, limit) -> str | None:
-    """Why ``value`` breaks ``limit`` (see ``FIT_LIMITS``), or None if it does not."""
-    if limit is None:
-        return None
-    op, bound = limit
-    if op == "in":
-        return None if value in bound else f"expected one of {', '.join(bound)}"
-    bad = [v for v in (value if isinstance(value, tuple) else (value,)) if (v < bound if op == ">=" else v <= bound)]
-    return f"must be {op} {bound}" + (" (each item)" if isinstance(value, tuple) else "") if bad else None
+# each field's kind and allowed range (a tuple's bounds apply to each item)
+FIT_LIMITS = {"steps": limits.POSITIVE, "batch_size": limits.POSITIVE, "lr": limits.POSITIVE_FLOAT,
+              "warmup_steps": limits.NON_NEGATIVE, "end_lr_ratio": limits.NON_NEGATIVE_FLOAT,
+              "ttt_length": limits.POSITIVE, "step_weight": limits.POSITIVE_FLOAT, "clip_norm": limits.POSITIVE_FLOAT,
+              "compute_dtype": limits.DTYPE, "seed": limits.NON_NEGATIVE, "save_every": limits.POSITIVE,
+              "keep": limits.POSITIVE, "log_every": limits.POSITIVE, "offline": limits.Range(bool),
+              "buckets": limits.Range(tuple, lo=1), "micro_batches": limits.POSITIVE, "loss_chunk": limits.POSITIVE,
+              "remat": limits.Range(bool)}
 
 
 def optimizer(cfg: FitConfig) -> optax.GradientTransformation:

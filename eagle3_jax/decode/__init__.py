@@ -15,9 +15,10 @@ from eagle3_jax.decode._measure import (fastest_rounds, forced_args, forced_call
                                         stretch_caps, timed_call)
 from eagle3_jax.decode._programs import (COMPILE_CACHE_SIZE, PROGRAMS, ROUND_MS_MEASUREMENTS, ProgramCache,
                                          clear_compiled, keep_compiled)
-from eagle3_jax.decode._request import MIN_TEMPERATURE, Request, encode_chat, prepare, prompt_rows
+from eagle3_jax.decode._request import Request, encode_chat, prepare, prompt_rows
 from eagle3_jax.decode._slots import Slots, SlotView, lower_slots
 from eagle3_jax.decode._state import LoopInputs, LoopStatics
+from eagle3_jax.limits import MIN_TEMPERATURE  # generate's smallest temperature but 0 (greedy)
 
 __all__ = [
     "COMPACT_FROM", "COMPACT_MIN_NEW_TOKENS", "COMPILE_CACHE_SIZE", "MIN_TEMPERATURE", "PROGRAMS",

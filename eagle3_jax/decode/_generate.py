@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, sharding
+from eagle3_jax import budget, limits, sharding
 from eagle3_jax import speculation as policy
 from eagle3_jax.decode._loop import kernel_mesh, lower_loop, prefill_call, spec_round, vanilla_round
 from eagle3_jax.decode._measure import forced_args, round_costs, timed_call
 from eagle3_jax.decode._programs import PROGRAMS, ProgramCache
-from eagle3_jax.decode._request import int_arg, prepare
+from eagle3_jax.decode._request import prepare
 from eagle3_jax.decode._state import NO_SPEC, LoopInputs
 from eagle3_jax.models.drafter import declare as declare_drafter
 from eagle3_jax.models.target import declare as declare_target
@@ -96,8 +96,8 @@ def lower_generate(target, drafter, *, batch: int, prompt_len: int, max_new_toke
 def _placed_request(target, drafter, batch: int, prompt_len: int, max_new_tokens: int, mesh, rules, kwargs: dict):
     """``generate``'s request for ``batch`` prompts of ``prompt_len`` tokens (the ids only shape
     the programs) and the models' split states placed on its mesh."""
-    int_arg("batch", batch, 1)
-    int_arg("prompt_len", prompt_len, 1)
+    limits.check("batch", batch, limits.POSITIVE)
+    limits.check("prompt_len", prompt_len, limits.POSITIVE)
     req = prepare(target, drafter, [[0] * prompt_len] * batch, max_new_tokens=max_new_tokens, mesh=mesh, rules=rules,
                   **{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "tree": TreeConfig(), "seed": 0,
                       "stop_token_ids": None, "tokenizer": None, **kwargs})

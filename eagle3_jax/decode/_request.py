@@ -10,8 +10,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from eagle3_jax import budget, kv_cache, sharding
-from eagle3_jax.config import host_scalar, integer
+from eagle3_jax import budget, kv_cache, limits, sharding
+from eagle3_jax.config import integer
 from eagle3_jax.decode._loop import phase_rows
 from eagle3_jax.decode._state import LoopStatics
 from eagle3_jax.models.target import check_token_ids
@@ -31,31 +31,8 @@ def bucket(n: int, base: int = 32) -> int:
     return max(base, -(-n // base) * base)
 
 
-# Below this, temperature sampling is numerically a greedy argmax with extra steps (and
-# logits / temperature overflow float32 near 1e-38): pass 0 for greedy decoding.
-MIN_TEMPERATURE = 1e-3
-
-
 def is_int(x) -> bool:
     return integer(x) is not None
-
-
-def int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
-    n = integer(value)
-    if n is None:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if n < lo or (hi is not None and n >= hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {n}")
-    return n
-
-
-def float_arg(name: str, value) -> float:
-    value = host_scalar(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not np.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
 
 
 def prompt_rows(prompts, vocab_size: int, tokenizer=None, *, row_name: str | None = None) -> list[np.ndarray]:
@@ -134,7 +111,7 @@ def thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, v
     """The static thinking setup from explicit ids or the tokenizer's ``<think>``/``</think>``,
     or ``None`` when neither names them."""
     mode = budget.check_mode(mode)  # with or without a thinking phase
-    grace = int_arg("thinking_grace", grace, 0)
+    grace = limits.check("thinking_grace", grace, limits.THINKING_GRACE)
     if think_token_ids is None and tokenizer is not None:
         ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -147,13 +124,14 @@ def thinking_config(tokenizer, think_token_ids, end_thinking_ids, mode, grace, v
         return None
     if not is_sequence(think_token_ids) or len(think_token_ids) != 2:
         raise TypeError(f"think_token_ids must be (open_id, close_id), got {think_token_ids!r}")
-    open_id, close_id = (int_arg(f"think_token_ids[{i}]", x, 0, vocab) for i, x in enumerate(think_token_ids))
+    token_id = limits.TOKEN_ID.below(vocab)
+    open_id, close_id = (limits.check(f"think_token_ids[{i}]", x, token_id) for i, x in enumerate(think_token_ids))
     if end_thinking_ids is None:
         newline = tokenizer.encode("\n", add_special_tokens=False) if tokenizer is not None else []
         end_thinking_ids = (*newline, close_id) if len(newline) == 1 else (close_id,)
     elif not is_sequence(end_thinking_ids) or not len(end_thinking_ids):
         raise TypeError(f"end_thinking_ids must be a non-empty sequence of token ids, got {end_thinking_ids!r}")
-    end = tuple(int_arg(f"end_thinking_ids[{i}]", x, 0, vocab) for i, x in enumerate(end_thinking_ids))
+    end = tuple(limits.check(f"end_thinking_ids[{i}]", x, token_id) for i, x in enumerate(end_thinking_ids))
     return budget.ThinkingConfig(open_id, close_id, end, mode, grace if mode == "soft" else 0)
 
 
@@ -174,18 +152,16 @@ def budget_rows(thinking_budget, n: int) -> np.ndarray:
         values = list(thinking_budget)
         if len(values) != n:
             raise ValueError(f"thinking_budget: {len(values)} values for {n} prompts")
-    return np.array([-1 if v is None else int_arg(f"thinking_budget[{i}]", v, 0, 2 ** 31) for i, v in enumerate(values)],
-                    np.int32)
+    return np.array([-1 if v is None else limits.check(f"thinking_budget[{i}]", v, limits.THINKING_BUDGET)
+                     for i, v in enumerate(values)], np.int32)
 
 
 def sampling_args(temperature, top_p, top_k, vocab: int) -> SamplingConfig:
-    temperature = float_arg("temperature", temperature)
-    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
-    top_p = float_arg("top_p", top_p)
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return SamplingConfig(temperature, top_p, int_arg("top_k", top_k, 0, vocab + 1))
+    temperature = limits.check("temperature", temperature, limits.TEMPERATURE)
+    if 0 < temperature < limits.MIN_TEMPERATURE:
+        raise ValueError(f"temperature={temperature!r}: must be 0 (greedy) or >= {limits.MIN_TEMPERATURE}")
+    return SamplingConfig(temperature, limits.check("top_p", top_p, limits.TOP_P),
+                          limits.check("top_k", top_k, limits.TOP_K.below(vocab + 1)))
 
 
 def stop_args(stop_token_ids, vocab: int) -> list[int]:
@@ -193,7 +169,7 @@ def stop_args(stop_token_ids, vocab: int) -> list[int]:
         return []
     if is_int(stop_token_ids) or isinstance(stop_token_ids, (str, bytes)):
         raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
-    return [int_arg(f"stop_token_ids[{i}]", s, 0, vocab) for i, s in enumerate(stop_token_ids)]
+    return [limits.check(f"stop_token_ids[{i}]", s, limits.TOKEN_ID.below(vocab)) for i, s in enumerate(stop_token_ids)]
 
 
 def speculation_arg(target, drafter, speculation) -> Speculation:
@@ -216,9 +192,9 @@ def prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top
             tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
             end_thinking_ids=None, speculation=None, round_ms=None, mesh=None, rules=None) -> Request:
     vocab = target.config.vocab_size
-    max_new_tokens = int_arg("max_new_tokens", max_new_tokens, 1)
+    max_new_tokens = limits.check("max_new_tokens", max_new_tokens, limits.MAX_NEW_TOKENS)
     sampling = sampling_args(temperature, top_p, top_k, vocab)
-    seed = int_arg("seed", seed, 0, 2 ** 32)
+    seed = limits.check("seed", seed, limits.SEED)
     if not isinstance(tree, TreeConfig):
         raise TypeError(f"tree must be a TreeConfig (e.g. TreeConfig(60, 7, 10) or TreeConfig.chain(4)), got {type(tree).__name__}")
     stops = stop_args(stop_token_ids, vocab)

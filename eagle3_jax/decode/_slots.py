@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3_jax import budget, sharding
+from eagle3_jax import budget, limits, sharding
 from eagle3_jax import speculation as policy
 from eagle3_jax.decode._generate import placed, result_stats
 from eagle3_jax.decode._loop import kernel_mesh, prefill_state, run_rounds
 from eagle3_jax.decode._measure import fastest_rounds
 from eagle3_jax.decode._programs import PROGRAMS, ProgramCache
-from eagle3_jax.decode._request import (bucket, budget_rows, cache_layouts, int_arg, prompt_rows, sampling_args,
+from eagle3_jax.decode._request import (bucket, budget_rows, cache_layouts, prompt_rows, sampling_args,
                                         speculation_arg, stop_args, thinking_config)
 from eagle3_jax.decode._state import NO_SPEC, Loop, State, first_rows, put_rows
 from eagle3_jax.speculation import Speculation
@@ -131,13 +131,13 @@ def lower_slots(target, drafter, *, num_slots: int, max_len: int, mesh, speculat
     spec = speculation_arg(target, drafter, TreeConfig() if speculation is None else speculation)
     spec = spec if drafter is not None else None
     mesh = sharding.auto_mesh(mesh)
-    num_slots = int_arg("num_slots", num_slots, 1)
-    loop = Loop(int_arg("max_len", max_len, 2), None, spec, None,
+    num_slots = limits.check("num_slots", num_slots, limits.POSITIVE)
+    loop = Loop(limits.check("max_len", max_len, limits.MAX_LEN), None, spec, None,
                 cache_layouts(target, drafter, num_slots, max_len, mesh, rules))
     (tgraph, tstate), (dgraph, dstate) = placed(target, drafter, mesh, rules)
     n_tiers = 1 if spec is None else len(spec.tiers)
     learned = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.fresh(spec or NO_SPEC))
-    stops = int_arg("max_stop_ids", max_stop_ids, 0) + len(target.config.eos_token_ids)
+    stops = limits.check("max_stop_ids", max_stop_ids, limits.NON_NEGATIVE) + len(target.config.eos_token_ids)
     state = jax.eval_shape(functools.partial(_slots_empty, tgraph, dgraph=dgraph, slots=num_slots,
                                              max_len=max_len, stops=stops, loop=loop),
                            tstate, dstate=dstate, round_ms_T=jax.ShapeDtypeStruct((n_tiers,), jnp.float32),
@@ -212,15 +212,16 @@ class Slots:
                  speculation: Speculation | TreeConfig | None = None, tokenizer=None, think_token_ids=None,
                  end_thinking_ids=None, thinking_mode: str = "hard", thinking_grace: int = 0, round_ms=None,
                  max_stop_ids: int = 8, programs: ProgramCache | None = None):
-        self.num_slots = int_arg("num_slots", num_slots, 1)
-        self.max_len = int_arg("max_len", max_len, 2, target.config.max_position_embeddings + 1)
+        self.num_slots = limits.check("num_slots", num_slots, limits.POSITIVE)
+        self.max_len = limits.check("max_len", max_len,
+                                    limits.MAX_LEN.below(target.config.max_position_embeddings + 1))
         vocab = target.config.vocab_size
         spec = speculation_arg(target, drafter, TreeConfig() if speculation is None else speculation)
         self.spec = spec if drafter is not None else None
         self.thinking = thinking_config(tokenizer, think_token_ids, end_thinking_ids, thinking_mode, thinking_grace,
                                         vocab)
         self.stop_ids = tuple(sorted(set(target.config.eos_token_ids)))
-        self._max_stops = int_arg("max_stop_ids", max_stop_ids, 0) + len(self.stop_ids)
+        self._max_stops = limits.check("max_stop_ids", max_stop_ids, limits.NON_NEGATIVE) + len(self.stop_ids)
         self._scratch = 1 if self.spec is None else spec.scratch
         if self.max_len < bucket(1) + self._scratch + 1:
             raise ValueError(f"max_len={self.max_len} leaves no room for a request: a prompt bucket of {bucket(1)}, the "
@@ -336,18 +337,18 @@ class Slots:
         """Prefills a request into the free slot ``slot``; its first token is emitted.  Arguments
         as for ``generate`` (one prompt); ``TypeError`` / ``ValueError`` naming the argument.
         Returns the request's ticket (``SlotView.ticket`` of its views)."""
-        slot = int_arg("slot", slot, 0, self.num_slots)
+        slot = limits.check("slot", slot, limits.NON_NEGATIVE.below(self.num_slots))
         if self._busy[slot]:
             raise ValueError(f"slot {slot} holds a running request: release it first")
         (prompt,) = prompt_rows([prompt_ids] if not isinstance(prompt_ids, str) else prompt_ids, self._vocab,
                                 self._tokenizer, row_name="prompt_ids")
-        max_new_tokens = int_arg("max_new_tokens", max_new_tokens, 1)
+        max_new_tokens = limits.check("max_new_tokens", max_new_tokens, limits.MAX_NEW_TOKENS)
         room = self.max_new_tokens_for(prompt.size)
         if max_new_tokens > room:
             raise ValueError(f"max_new_tokens: a prompt of {prompt.size} tokens leaves room for {max(room, 0)} new "
                              f"tokens in a slot of max_len={self.max_len}, got {max_new_tokens}")
         sampling = sampling_args(temperature, top_p, top_k, self._vocab)
-        seed = int_arg("seed", seed, 0, 2 ** 32)
+        seed = limits.check("seed", seed, limits.SEED)
         stops = sorted(set(self.stop_ids) | set(stop_args(stop_token_ids, self._vocab)))
         if len(stops) > self._max_stops:
             raise ValueError(f"stop_token_ids: at most {self._max_stops - len(self.stop_ids)} stop ids per request, "
@@ -373,7 +374,7 @@ class Slots:
 
     def run(self, rounds: int):
         """Dispatches up to ``rounds`` rounds of every active slot (returns at once)."""
-        self._dispatch(int_arg("rounds", rounds, 1), -1)
+        self._dispatch(limits.check("rounds", rounds, limits.POSITIVE), -1)
 
     def row_buckets(self) -> list[int]:
         """The row counts a dispatch runs on: powers of two below ``num_slots``, then ``num_slots``
@@ -401,7 +402,7 @@ class Slots:
 
     def release(self, slot: int):
         """Ends the request in ``slot`` now (e.g. its client went away); the slot is free."""
-        slot = int_arg("slot", slot, 0, self.num_slots)
+        slot = limits.check("slot", slot, limits.NON_NEGATIVE.below(self.num_slots))
         self._state = _slot_release_jit(self._state, np.int32(slot))
         self._busy[slot] = False
 
@@ -415,7 +416,7 @@ class Slots:
         reads the new request's first token as soon as its prefill is done, while its rounds
         run.  Its views show the slots as they were then: a slot released or filled since shows
         its previous request (compare ``SlotView.ticket``)."""
-        lag = int_arg("lag", lag, 0, 2)
+        lag = limits.check("lag", lag, limits.NON_NEGATIVE.below(2))
         if lag and len(self._snaps) == 2:
             fetch, (busy, tickets, stops, prompt_phase) = self._snaps[0]
         else:
