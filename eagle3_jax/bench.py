@@ -19,19 +19,6 @@ from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
 
-def parse_tree(spec: str) -> TreeConfig:
-    """``"60,7,10"`` → TreeConfig(60, 7, 10); ``"chain4"`` → a 4-token chain."""
-    if spec.startswith("chain"):
-        if not spec[5:].isdigit() or int(spec[5:]) < 1:
-            raise ValueError(f"--tree {spec!r}: chainN needs a whole number of tokens N >= 1 (e.g. chain4)")
-        return TreeConfig.chain(int(spec[5:]))
-    try:
-        n, d, k = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"--tree {spec!r}: expected TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN") from None
-    return TreeConfig(n, d, k)
-
-
 def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list[int]]:
     """Prompts from a JSON file: a list of token-id lists (each id in ``[0, vocab_size)``),
     or of strings (needs a tokenizer); errors name the file and the prompt."""

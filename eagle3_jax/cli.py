@@ -146,7 +146,8 @@ def _cmd_convert(args) -> int:
 def _cmd_generate(args) -> int:
     import eagle3_jax
     from eagle3_jax import builtin
-    from eagle3_jax.bench import parse_tree, tree_name
+    from eagle3_jax.bench import tree_name
+    from eagle3_jax.tree import parse_tree
 
     given = [name for name, v in (("PROMPT", args.prompt), ("--prompt", args.prompt_flag),
                                   ("--prompt-ids", args.prompt_ids)) if v is not None]
@@ -235,7 +236,8 @@ def _cmd_bench(args) -> int:
     import jax
 
     from eagle3_jax import builtin
-    from eagle3_jax.bench import load_prompts, parse_tree, run_bench, write_figure
+    from eagle3_jax.bench import load_prompts, run_bench, write_figure
+    from eagle3_jax.tree import parse_tree
 
     if args.target is not None and args.drafter is None:
         raise ValueError("bench needs --drafter (or no --target, for the built-in pair)")
@@ -588,7 +590,7 @@ def _path(text: str) -> str:
 
 
 def _tree(text: str):
-    from eagle3_jax.bench import parse_tree
+    from eagle3_jax.tree import parse_tree
 
     try:
         return parse_tree(text)

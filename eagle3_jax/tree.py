@@ -75,6 +75,20 @@ class Tree:
     paths: jax.Array  # [B, N, P] root-to-leaf node paths, one row per leaf (increasing leaf index), -1 padded
 
 
+def parse_tree(spec: str) -> TreeConfig:
+    """``"60,7,10"`` → TreeConfig(60, 7, 10); ``"chain4"`` → a 4-token chain."""
+    if spec.startswith("chain"):
+        if not spec[5:].isdigit() or int(spec[5:]) < 1:
+            raise ValueError(f"--tree {spec!r}: chainN needs a whole number of tokens N >= 1 (e.g. chain4)")
+        return TreeConfig.chain(int(spec[5:]))
+    try:
+        n, d, k = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--tree {spec!r}: expected TOTAL,DEPTH,TOPK (e.g. 60,7,10) or chainN") from None
+    return TreeConfig(n, d, k)
+
+
+
 def _top_k(cache: KVCache | None, x, k: int):
     """``jax.lax.top_k(x, k)`` of per-row ``x``, on each device's own rows where ``cache``'s
     layout splits the batch (XLA's partitioner gathers a top-k's whole operand to every

@@ -152,7 +152,8 @@ def part_bench(smoke: bool) -> dict:
 def part_builtin(smoke: bool) -> dict:
     import eagle3_jax
     from eagle3_jax import builtin
-    from eagle3_jax.bench import parse_tree, run_bench
+    from eagle3_jax.bench import run_bench
+    from eagle3_jax.tree import parse_tree
     from eagle3_jax.decode import encode_chat
 
     dtype = "bfloat16"

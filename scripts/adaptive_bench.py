@@ -17,7 +17,8 @@ import json
 from flax import nnx
 
 from eagle3_jax import builtin
-from eagle3_jax.bench import parse_tree, run_bench
+from eagle3_jax.bench import run_bench
+from eagle3_jax.tree import parse_tree
 from eagle3_jax.decode import encode_chat
 from eagle3_jax.models.drafter import Drafter
 from eagle3_jax.speculation import Speculation

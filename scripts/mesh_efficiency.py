@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from eagle3_jax import builtin, cost, sharding
-from eagle3_jax.bench import parse_tree
+from eagle3_jax.tree import parse_tree
 from eagle3_jax.decode import compile_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

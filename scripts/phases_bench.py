@@ -17,7 +17,7 @@ import argparse
 import math
 
 from eagle3_jax import builtin
-from eagle3_jax.bench import parse_tree
+from eagle3_jax.tree import parse_tree
 from eagle3_jax.decode import _loop as decode_loop  # where phase_rows reads COMPACT_FROM
 from eagle3_jax.decode import encode_chat, generate
 

@@ -35,7 +35,7 @@ import httpx
 
 import eagle3_jax
 from eagle3_jax import builtin
-from eagle3_jax.bench import parse_tree
+from eagle3_jax.tree import parse_tree
 from eagle3_jax.decode import encode_chat
 from eagle3_jax.serve.app import ServerThread, build
 

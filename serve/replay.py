@@ -204,7 +204,7 @@ def write_figure(report: dict, path):
 def replay_main(args, target, drafter, tokenizer, is_builtin: bool, json_path, figure_path) -> int:
     """``eagle3-jax replay``."""
     from eagle3_jax import builtin
-    from eagle3_jax.bench import parse_tree
+    from eagle3_jax.tree import parse_tree
     from eagle3_jax.cli import write_report, write_report_figure
     from eagle3_jax.serve.app import server_settings
 

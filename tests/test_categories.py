@@ -15,7 +15,7 @@ from helpers import FIXTURES
 import eagle3_jax
 from eagle3_jax import bench, builtin, cli, experiment
 from eagle3_jax.cli import main
-from eagle3_jax.tree import TreeConfig
+from eagle3_jax.tree import TreeConfig, parse_tree
 
 CATS = ["a", "b", "a", "a", "b", "a"]  # interleaved: batches of 2 in prompt order would mix them
 N = {"a": 4, "b": 2}
@@ -290,7 +290,7 @@ def test_generate_runs_the_tool_call_and_prints_the_final_answer(capsys, fake_bu
     assert out.index("identical to vanilla: True") < out.index("Tool call: ") < out.index("\nFinal answer:\nThe answer is 1234.")
     assert f"Tool call: {tool.call}\nTool result: {tool.result}\n" in out
     assert seen["prompt"] == tool.prompt
-    assert seen["kw"]["tree"] == bench.parse_tree(builtin.DEFAULT_TREE)  # the first turn's drafter and tree
+    assert seen["kw"]["tree"] == parse_tree(builtin.DEFAULT_TREE)  # the first turn's drafter and tree
     assert seen["kw"]["drafter"] is not None
 
     res.tokens = [[1, True]]  # a math task's first turn: no tool call, no tool turn

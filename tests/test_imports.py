@@ -28,15 +28,13 @@ UPWARD_ALLOWED = {
     # the replay client writes its report with the CLI's writers (write_report, write_report_figure):
     # they belong in eagle3_jax.atomic / a report module below serve
     ("eagle3_jax.serve.replay", "eagle3_jax.cli"),
-    # ... and reads bench's parse_tree / save_figure and the built-in testbed's prompts
+    # ... and reads bench's save_figure and the built-in testbed's prompts
     ("eagle3_jax.serve.replay", "eagle3_jax.bench"),
     ("eagle3_jax.serve.replay", "eagle3_jax.builtin"),
     # the server's settings for the built-in pair (its name, limits) come from the testbed
     ("eagle3_jax.serve.app", "eagle3_jax.builtin"),
-    # fitting the built-in drafter reads the testbed's tasks and constants, and bench's parse_tree
-    # (tree parsing belongs in eagle3_jax.tree)
+    # fitting the built-in drafter reads the testbed's tasks and constants
     ("eagle3_jax.train.builtin", "eagle3_jax.builtin"),
-    ("eagle3_jax.train.builtin", "eagle3_jax.bench"),
     # the accelerator check is a tool kept beside the kernels: it runs the built-in pair's
     # decode loop and bench's / cost's timings
     ("eagle3_jax.pallas_kernels.device_check", "eagle3_jax.builtin"),

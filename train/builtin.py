@@ -342,7 +342,7 @@ def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: i
     per family × thinking budget B, accuracy, thinking / answer tokens and timeouts (vanilla
     greedy); the tool calls' checks at unlimited B; per family × tree, greedy τ and token
     identity with vanilla (both turns)."""
-    from eagle3_jax.bench import parse_tree
+    from eagle3_jax.tree import parse_tree
 
     by_family = {f: [t for t in tasks if t["family"] == f] for f in builtin.FAMILIES}
     by_budget, vanilla = {}, {}
