@@ -60,6 +60,13 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[Binar
     return path
 
 
+def save_figure(fig, path: str | os.PathLike, **kw) -> Path:
+    """Saves the matplotlib figure ``fig`` to ``path`` atomically (the format from its suffix):
+    ``path`` is its old content or the whole new figure, never a part of it."""
+    fmt = Path(path).suffix.lower().lstrip(".") or None
+    return write_atomic(path, lambda f: fig.savefig(f, format=fmt, **kw))
+
+
 def write_directory(path: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
     """Replaces the directory ``path`` whole and atomically with what ``fill(tmp)`` writes
     into a fresh directory ``tmp`` beside it (see the module's docstring).  On any failure

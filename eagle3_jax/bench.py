@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from eagle3_jax.atomic import save_figure
 from eagle3_jax.decode import generate, keep_compiled
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
@@ -321,12 +322,3 @@ def write_figure(reports: list[dict], path: str | Path):
         save_figure(fig, path, dpi=110)
     finally:
         plt.close(fig)
-
-
-def save_figure(fig, path: str | Path, **kw):
-    """Saves the matplotlib figure ``fig`` to ``path`` atomically (the format from its suffix):
-    ``path`` is its old content or the whole new figure, never a part of it."""
-    from eagle3_jax.atomic import write_atomic
-
-    fmt = Path(path).suffix.lower().lstrip(".") or None
-    write_atomic(path, lambda f: fig.savefig(f, format=fmt, **kw))

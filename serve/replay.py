@@ -179,7 +179,7 @@ def write_figure(report: dict, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eagle3_jax.bench import save_figure
+    from eagle3_jax.atomic import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in report["modes"].items():

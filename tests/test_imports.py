@@ -28,8 +28,7 @@ UPWARD_ALLOWED = {
     # the replay client writes its report with the CLI's writers (write_report, write_report_figure):
     # they belong in eagle3_jax.atomic / a report module below serve
     ("eagle3_jax.serve.replay", "eagle3_jax.cli"),
-    # ... and reads bench's save_figure and the built-in testbed's prompts
-    ("eagle3_jax.serve.replay", "eagle3_jax.bench"),
+    # ... and the built-in testbed's prompts
     ("eagle3_jax.serve.replay", "eagle3_jax.builtin"),
     # the server's settings for the built-in pair (its name, limits) come from the testbed
     ("eagle3_jax.serve.app", "eagle3_jax.builtin"),
