@@ -67,6 +67,25 @@ def save_figure(fig, path: str | os.PathLike, **kw) -> Path:
     return write_atomic(path, lambda f: fig.savefig(f, format=fmt, **kw))
 
 
+def write_report(path: Path, text: str, flag: str):
+    """Writes a finished run's report ``text`` to ``path`` atomically; where that fails, the
+    report is printed on stdout and ``OSError`` names ``flag`` (nothing finished is lost)."""
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        print(text, flush=True)
+        raise OSError(f"{flag} {path}: cannot write it ({e.strerror or e}); the report is on stdout instead") from None
+
+
+def write_report_figure(path: Path, draw, report_path: Path):
+    """``draw()`` writes the figure ``path`` (atomically); where that fails, ``OSError`` names
+    ``--figure`` and says that the report is kept in ``report_path``."""
+    try:
+        draw()
+    except OSError as e:
+        raise OSError(f"--figure {path}: cannot write it ({e.strerror or e}); the report is in {report_path}") from None
+
+
 def write_directory(path: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
     """Replaces the directory ``path`` whole and atomically with what ``fill(tmp)`` writes
     into a fresh directory ``tmp`` beside it (see the module's docstring).  On any failure

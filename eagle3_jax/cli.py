@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 from eagle3_jax import budget, limits
-from eagle3_jax.atomic import write_atomic
+from eagle3_jax.atomic import write_atomic, write_report, write_report_figure
 from eagle3_jax.checkpoint import DTYPES, check_output_path
 from eagle3_jax.layers import ATTENTION_IMPLS
 
@@ -297,25 +297,6 @@ def _cmd_bench(args) -> int:
     write_report_figure(figure_path, lambda: write_figure(reports, figure_path), json_path)
     print(f"wrote {json_path} and {figure_path}")
     return 0
-
-
-def write_report(path: Path, text: str, flag: str):
-    """Writes a finished run's report ``text`` to ``path`` atomically; where that fails, the
-    report is printed on stdout and ``OSError`` names ``flag`` (nothing finished is lost)."""
-    try:
-        write_atomic(path, text)
-    except OSError as e:
-        print(text, flush=True)
-        raise OSError(f"{flag} {path}: cannot write it ({e.strerror or e}); the report is on stdout instead") from None
-
-
-def write_report_figure(path: Path, draw, report_path: Path):
-    """``draw()`` writes the figure ``path`` (atomically); where that fails, ``OSError`` names
-    ``--figure`` and says that the report is kept in ``report_path``."""
-    try:
-        draw()
-    except OSError as e:
-        raise OSError(f"--figure {path}: cannot write it ({e.strerror or e}); the report is in {report_path}") from None
 
 
 def _budget(text: str):

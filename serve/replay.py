@@ -205,7 +205,7 @@ def replay_main(args, target, drafter, tokenizer, is_builtin: bool, json_path, f
     """``eagle3-jax replay``."""
     from eagle3_jax import builtin
     from eagle3_jax.tree import parse_tree
-    from eagle3_jax.cli import write_report, write_report_figure
+    from eagle3_jax.atomic import write_report, write_report_figure
     from eagle3_jax.serve.app import server_settings
 
     if tokenizer is None:

@@ -25,10 +25,7 @@ LAYER_NAMES = ("core", "train/serve", "tools", "cli")
 
 # Breaks the tree has today, each to be struck off when fixed (issue 60, point 2).
 UPWARD_ALLOWED = {
-    # the replay client writes its report with the CLI's writers (write_report, write_report_figure):
-    # they belong in eagle3_jax.atomic / a report module below serve
-    ("eagle3_jax.serve.replay", "eagle3_jax.cli"),
-    # ... and the built-in testbed's prompts
+    # the replay client reads the built-in testbed's prompts
     ("eagle3_jax.serve.replay", "eagle3_jax.builtin"),
     # the server's settings for the built-in pair (its name, limits) come from the testbed
     ("eagle3_jax.serve.app", "eagle3_jax.builtin"),
@@ -47,8 +44,6 @@ CYCLES_ALLOWED = {
     frozenset({"eagle3_jax.kv_cache", "eagle3_jax.layers", "eagle3_jax.models.drafter", "eagle3_jax.models.target",
                "eagle3_jax.pallas_kernels.tree_attention", "eagle3_jax.pallas_kernels.tree_attention_mgpu",
                "eagle3_jax.params", "eagle3_jax.sharding"}),
-    # cli -> experiment -> serve.replay -> cli: goes with replay's upward import above
-    frozenset({"eagle3_jax.cli", "eagle3_jax.experiment", "eagle3_jax.serve.replay"}),
 }
 PRIVATE_ALLOWED: set[tuple[str, str]] = set()
 
