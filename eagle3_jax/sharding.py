@@ -237,16 +237,14 @@ def place(state, decl, mesh: Mesh, rules: Mapping | None = None):
 
 
 def place_model(model, mesh: Mesh, rules: Mapping | None = None):
-    """A target or drafter (an ``nnx`` module) with its state :func:`place`-d on ``mesh`` by its
-    declaration: a new module of the same graph (the given one is left where it is)."""
+    """A target or drafter (an ``nnx`` module with a ``declaration()``) with its state
+    :func:`place`-d on ``mesh`` by its declaration: a new module of the same graph (the given
+    one is left where it is)."""
     from flax import nnx
 
-    from eagle3_jax.models import drafter, target
-
-    kind = target if isinstance(model, target.Target) else drafter if isinstance(model, drafter.Drafter) else None
-    if kind is None:
+    if not callable(getattr(model, "declaration", None)):
         raise TypeError(f"place_model: expected a Target or a Drafter, got {type(model).__name__}")
-    decl = kind.declare(model.config)
+    decl = model.declaration()
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, place(state, decl, mesh, rules))
 
@@ -254,21 +252,3 @@ def place_model(model, mesh: Mesh, rules: Mapping | None = None):
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch split over (data, fsdp); other dimensions replicated."""
     return NamedSharding(mesh, P(RULES["batch"].mesh_axes, *([None] * (ndim - 1))))
-
-
-# ----------------------------------------------------------------- compatibility
-def param_shardings(shapes: dict, axes: dict, mesh: Mesh) -> dict:
-    """``{name: NamedSharding}`` for a ``{name: shape}`` table and a ``{name: logical axes}``
-    table (``None`` shapes skipped).  Prefer ``declare(cfg).shardings(mesh)`` of the model,
-    which also keeps heads whole."""
-    return {n: NamedSharding(mesh, spec(s, axes[n], mesh, name=n)) for n, s in shapes.items() if s is not None}
-
-
-def __getattr__(name):
-    """``TARGET_AXES`` / ``DRAFTER_AXES``: ``{parameter: logical axes}`` derived from the
-    models' declarations (kept for callers of the former tables)."""
-    if name in ("TARGET_AXES", "DRAFTER_AXES"):
-        from eagle3_jax.models import drafter, target
-
-        return (target if name == "TARGET_AXES" else drafter).logical_axes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

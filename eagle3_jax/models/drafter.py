@@ -113,6 +113,10 @@ class Drafter(nnx.Module):
     """EAGLE-3 draft head.  ``embed`` is the target's (frozen) embedding table unless
     the checkpoint carried its own (``own_embedding``)."""
 
+    def declaration(self) -> Declaration:
+        """This model's parameter declaration (shapes, logical axes, init), as :func:`declare` gives it."""
+        return declare(self.config)
+
     def __init__(self, cfg: DrafterConfig, embed_VxH, *, d2t=None, own_embedding: bool = False,
                  dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.config = cfg

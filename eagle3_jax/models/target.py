@@ -74,6 +74,10 @@ class Target(nnx.Module):
     randomly initialised model (tests, tiny experiments).
     """
 
+    def declaration(self) -> Declaration:
+        """This model's parameter declaration (shapes, logical axes, init), as :func:`declare` gives it."""
+        return declare(self.config)
+
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "xla", unroll_layers: bool = False):
         self.config = cfg
