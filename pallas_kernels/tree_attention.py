@@ -49,6 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from eagle3_jax.pallas_kernels.layout import rows_by_kv_head, rows_to_tokens, stacked_cache
+
 
 def tree_attention_ref(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, tree_mask_BxTxT, *,
                        scale: float, layer=None):
@@ -70,34 +72,6 @@ def tree_attention_ref(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD,
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
     return out.reshape(B, T, N, D).astype(q_BxTxNxD.dtype)
-
-
-def rows_by_kv_head(q_BxTxNxD, kv_heads: int):
-    """``[B, T, N, D] → [B, K, G·T, D]``: the query rows sharing each KV head, ``row = g·T + t``."""
-    B, T, N, D = q_BxTxNxD.shape
-    G = N // kv_heads
-    return q_BxTxNxD.reshape(B, T, kv_heads, G, D).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, G * T, D)
-
-
-def rows_to_tokens(o_BxKxRxD, T: int):
-    """Inverse of ``rows_by_kv_head``."""
-    B, K, R, D = o_BxKxRxD.shape
-    return o_BxKxRxD.reshape(B, K, R // T, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (R // T), D)
-
-
-def stacked_cache(k_cache, v_cache, layer, min_len: int = 0):
-    """The kernels' cache view: ``[L, B, S, K, D]`` (a ``[B, S, K, D]`` cache is one layer,
-    a free reshape) and the layer as int32 ``[1]``.  A cache shorter than ``min_len`` slots
-    (the Mosaic GPU kernel's block; the TPU kernel's block shrinks to a short cache instead)
-    is the one case that copies: the layer read, padded, so that every block lies inside
-    the array."""
-    if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    S = k_cache.shape[2]
-    if S < min_len:
-        pad = ((0, 0), (0, min_len - S), (0, 0), (0, 0))
-        k_cache, v_cache, layer = jnp.pad(k_cache[layer], pad)[None], jnp.pad(v_cache[layer], pad)[None], 0
-    return k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def _online_update(s, v, m_ref, l_ref, acc_ref):
@@ -217,7 +191,7 @@ def pick_kernel(dtype, head_dim: int, interpret: str | None = None, new_tokens: 
     tile (``tree_attention_mgpu.supports``).  ``interpret="tpu"`` / ``"gpu"`` returns that
     kernel in its CPU interpreter, the GPU one under the same rule as on a GPU (else ``None``).
     """
-    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu  # here: it imports this module
+    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu  # here: Mosaic GPU only where it runs
 
     if interpret not in (None, "tpu", "gpu"):
         raise ValueError(f"interpret={interpret!r}: expected None, 'tpu' or 'gpu'")

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from eagle3_jax.pallas_kernels.tree_attention import rows_by_kv_head, rows_to_tokens, stacked_cache
+from eagle3_jax.pallas_kernels.layout import rows_by_kv_head, rows_to_tokens, stacked_cache
 
 BLOCK_Q = 64  # one warpgroup's WGMMA M tile
 BLOCK_KV = 64  # cache slots per pipeline step (the default block_kv); a shorter cache is padded to one

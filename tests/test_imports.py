@@ -37,11 +37,7 @@ UPWARD_ALLOWED = {
     ("eagle3_jax.pallas_kernels.device_check", "eagle3_jax.bench"),
     ("eagle3_jax.pallas_kernels.device_check", "eagle3_jax.cost"),
 }
-CYCLES_ALLOWED = {
-    # the TPU kernel's dispatcher hands Hopper to the Mosaic GPU kernel, which reads the TPU
-    # module's cache-layout helpers: those belong in a module below both
-    frozenset({"eagle3_jax.pallas_kernels.tree_attention", "eagle3_jax.pallas_kernels.tree_attention_mgpu"}),
-}
+CYCLES_ALLOWED: set[frozenset[str]] = set()
 PRIVATE_ALLOWED: set[tuple[str, str]] = set()
 
 
