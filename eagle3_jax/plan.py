@@ -414,21 +414,14 @@ def lower_fit_step(target, drafter, fit_cfg, mesh, *, rows: int, seq_len: int) -
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from eagle3_jax import sharding
-    from eagle3_jax.models import drafter as drafter_mod, target as target_mod
     from eagle3_jax.train.trainer import fit_step_fn, optimizer
 
     tgraph, tstate = nnx.split(target)
-    tstate = sharding.place(tstate, target_mod.declare(target.config), mesh)
+    tstate = sharding.place(tstate, target.declaration(), mesh)
     dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
-    dsh = drafter_mod.declare(drafter.config).shardings(mesh)
+    params = sharding.place(params, drafter.declaration(), mesh)
+    frozen = sharding.place(frozen, drafter.declaration(), mesh)
     replicated = NamedSharding(mesh, P())
-
-    def put(path, x):
-        name = str(getattr(path[0], "key", getattr(path[0], "name", ""))) if path else ""
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dsh.get(name, replicated))
-
-    params = jax.tree_util.tree_map_with_path(put, params)
-    frozen = jax.tree_util.tree_map_with_path(put, frozen)
     opt = optimizer(fit_cfg)
     by_shape = {}
     for p in jax.tree.leaves(params):
