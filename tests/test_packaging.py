@@ -17,6 +17,13 @@ def test_install_puts_train_and_serve_under_the_package(tmp_path):
                           "--target", str(site)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == ["bin", "eagle3_jax"]
+    # every source module is installed (a subpackage missing from pyproject's list would be dropped)
+    sources = {"eagle3_jax": ROOT / "eagle3_jax", "eagle3_jax/train": ROOT / "train", "eagle3_jax/serve": ROOT / "serve",
+               "eagle3_jax/pallas_kernels": ROOT / "pallas_kernels"}
+    want = {f"{dest}/{p.relative_to(src)}" for dest, src in sources.items() for p in src.rglob("*.py")
+            if "__pycache__" not in p.parts}
+    installed = {str(p.relative_to(site)) for p in (site / "eagle3_jax").rglob("*.py")}
+    assert sorted(want - installed) == [], "modules left out of the install (pyproject's packages)"
     script = """
 import sys
 try:
