@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from eagle3_jax.atomic import save_figure
-from eagle3_jax.decode import generate, keep_compiled
+from eagle3_jax.cost import forced_rounds
+from eagle3_jax.decode import compile_generate, generate, keep_compiled, prompt_rows
 from eagle3_jax.speculation import Speculation, tier_name
 from eagle3_jax.tree import TreeConfig
 
@@ -23,7 +24,6 @@ from eagle3_jax.tree import TreeConfig
 def load_prompts(path: str | Path, vocab_size: int, tokenizer=None) -> list[list[int]]:
     """Prompts from a JSON file: a list of token-id lists (each id in ``[0, vocab_size)``),
     or of strings (needs a tokenizer); errors name the file and the prompt."""
-    from eagle3_jax.decode import prompt_rows
 
     path = Path(path)
     try:
@@ -56,8 +56,6 @@ def round_parts(target, drafter, prompt: list[int], tree: TreeConfig, *, max_new
     (the loop's own bookkeeping).  ``mesh``, ``rules``: decoded on it (as ``generate(...,
     mesh=, rules=)``; the parts' op time summed over its devices).  ``drafter`` None: a vanilla step (``round_ms``
     only, not profiled)."""
-    from eagle3_jax.cost import forced_rounds
-    from eagle3_jax.decode import compile_generate
 
     compiled, args = compile_generate(target, drafter, [prompt] * batch_size, max_new_tokens=max_new_tokens, tree=tree,
                                       mesh=mesh, rules=rules)

@@ -16,23 +16,29 @@ Three instruments, all on compiled programs:
 * :func:`profile_ops` ranks the ops themselves by their own time: which XLA op (a copy XLA
   inserted, a dot, a loop's bookkeeping), how often it runs per call and where it came from.
 
-``eagle3-jax bench --cost`` prints all three: the parts of the vanilla step and of the
-speculative round, the cache-sized copies, and the heaviest ops of ``decode_step`` by batch.
+``eagle3-jax bench --cost`` prints all three (:func:`report`): the parts of the vanilla step
+and of the speculative round, the cache-sized copies, and the heaviest ops of ``decode_step``
+by batch.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gzip
 import json
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
-from eagle3_jax import kv_cache
+from eagle3_jax import kv_cache, sharding
+from eagle3_jax.decode import compile_generate, forced_args, forced_call
+from eagle3_jax.speculation import tier_name
 
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
@@ -245,11 +251,6 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
     ``mesh``: a batch that the mesh's batch axes split runs on it (the weights placed by their
     declared axes, the cache by ``kv_cache.CACHE_AXES``, as ``generate(..., mesh=)`` decodes;
     see :func:`on_mesh`), ``rules`` overriding ``sharding.RULES``; any other batch on one device."""
-    import dataclasses
-    import time
-
-    from eagle3_jax import sharding
-
     mesh = None if mesh is None else sharding.auto_mesh(mesh)
     models = {shape: _step_model(target, shape[0], mesh, rules) for shape in shapes}
     caches = {}
@@ -273,8 +274,6 @@ def step_ms(target, shapes, live: int = 33, calls: int = 30, turns: int = 3, *, 
 def on_mesh(mesh, batch: int, rules=None) -> bool:
     """Whether ``mesh``'s batch axes (``sharding.RULES``, or ``rules`` over them) split
     ``batch`` rows over more than one device (and evenly)."""
-    from eagle3_jax import sharding
-
     shards = sharding.batch_shards(mesh, rules)
     return shards > 1 and batch % shards == 0
 
@@ -284,8 +283,6 @@ def _step_model(target, batch: int, mesh, rules=None):
     ``rules`` when it splits them (:func:`on_mesh`), else ``target`` as it is and ``None``."""
     if not on_mesh(mesh, batch, rules):
         return target, None
-    from eagle3_jax import sharding
-
     placed = sharding.place_model(target, mesh, rules)
     cfg = target.config
     shape = (cfg.num_layers, batch, 1, cfg.num_kv_heads, cfg.head_dim)  # the layout does not depend on the slots
@@ -295,8 +292,6 @@ def _step_model(target, batch: int, mesh, rules=None):
 def step_ops(target, batch: int, live: int = 33, slots: int = 256, *, top: int = 8, repeats: int = 5) -> list[dict]:
     """:func:`profile_ops` of ``target.decode_step`` for ``batch`` sequences of ``live``
     committed tokens in a cache of ``slots`` slots: the ops a step spends its time in."""
-    from flax import nnx
-
     cache = target.prefill(np.ones((batch, live), np.int32), np.full(batch, live), slots)[2]
     graphdef, state = nnx.split(target)
     # the cache donated, as decode_step's own jit does: written in place, not copied
@@ -326,8 +321,6 @@ def forced_rounds(programs, new_tokens: int, per_round: int, *, tier: int = 0, r
     each part's op time per round under the profiler (:func:`profile_parts`, each part's
     least of ``repeats`` calls; ``other``: the loop's own ops; empty with ``parts=False``, which
     skips the profiler's calls)."""
-    from eagle3_jax.decode import forced_args, forced_call
-
     most = max((new_tokens - 1) // per_round, 2)
     rounds = (max(most // 4, 1), most)
     for compiled, args in programs:
@@ -361,8 +354,6 @@ def loop_report(target, drafter, prompt: list[int], tree, max_news, *, batch: in
     :func:`forced_rounds`, ``repeats`` turns of the programs of a mode), over the same live prefix, so
     that only the cache's capacity differs between them.  Returns one dict per
     ``max_new_tokens``."""
-    from eagle3_jax.decode import compile_generate
-
     max_news = list(max_news)
     if not max_news:
         raise ValueError("loop_report: max_news names no max_new_tokens to time")
@@ -386,3 +377,37 @@ def loop_report(target, drafter, prompt: list[int], tree, max_news, *, batch: in
             log(f"  {mode:7s} max_new={m} batch={batch} cache={max_len} slots: {forced['round_ms']:.2f} ms/round over "
                 f"{forced['rounds']} forced rounds; op ms/round: {shown}; cache-sized copies in the loop: {len(loop_copies)}")
     return out
+
+
+def report(target, drafter, prompt, tree, max_news, batches, mesh=None, rules=None) -> dict:
+    """Where a step's and a round's time goes (``eagle3-jax bench --cost``), printed and
+    returned: :func:`step_ms` by cache slots (batch 1) and by batch (256 slots) from one timing
+    run, the step's heaviest ops (:func:`step_ops`) at batches 1 and 32, and
+    :func:`loop_report` of one request ``prompt`` at each batch of ``batches`` and each
+    ``max_new_tokens`` of ``max_news`` (``mesh``: the batches it splits step on it, placed by
+    ``rules``)."""
+    print("decode_step ms at 33 live tokens, by cache slots (batch 1) and by batch (256 slots"
+          + (f"; * on the mesh {dict(mesh.shape)}" if mesh is not None else "") + "):")
+    # one timing run, all shapes taking turns: the batch-1, 256-slot step divides both ratios
+    step_slots, step_batches = (256, 1024, 4096, 16384), (1, 8, 32)
+    step = step_ms(target, [(1, s) for s in step_slots] + [(b, 256) for b in step_batches[1:]], mesh=mesh,
+                   rules=rules)
+    by_slots = {s: step[1, s] for s in step_slots}
+    by_batch = {b: step[b, 256] for b in step_batches}
+    print("  slots  " + "  ".join(f"{s}: {ms:.2f}" for s, ms in by_slots.items())
+          + f"   ({by_slots[16384] / by_slots[256]:.2f}x from 256 to 16384)")
+    print("  batch  " + "  ".join(f"{b}{'*' if on_mesh(mesh, b, rules) else ''}: {ms:.2f}"
+                                   for b, ms in by_batch.items())
+          + f"   ({by_batch[32] / by_batch[1]:.2f}x from 1 to 32)")
+    heaviest = {b: step_ops(target, b) for b in (1, 32)}
+    for b, ops in heaviest.items():
+        print(f"  its heaviest XLA ops at batch {b} (own ms per step, runs per step, result, op_name):")
+        for o in ops:
+            print(f"    {o['us'] / 1e3:6.3f} ms {o['runs']:4d}x  {o['op']:36s} {o['shape']:22s} {o['scope']}")
+    print(f"decode loop, one request, {tier_name(tree)}, the rounds of {min(max_news)} new tokens timed at each "
+          "max_new_tokens (the same live prefix, caches of different capacity"
+          + ("; on one device" if mesh is not None else "") + "):")
+    loops = [rep for b in batches for rep in loop_report(target, drafter, prompt, tree, max_news, batch=b)]
+    return {"step_ms_by_slots": by_slots, "step_ms_by_batch": by_batch, "step_heaviest_ops": heaviest, "loops": loops,
+            "step_mesh": None if mesh is None else {"axes": dict(mesh.shape),
+                                                    "batches": [b for b in by_batch if on_mesh(mesh, b, rules)]}}

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import sharding
+
 
 # Logical axes of a cache's keys and values [L, B, S, K, D] (see ``eagle3_jax.sharding.RULES``):
 # the batch over the data axes, KV heads over the tensor axis (replicated when fewer).
@@ -96,8 +98,6 @@ def layout(shape, mesh, rules=None, *, name: str = "KV cache") -> jax.sharding.N
     """The layout of a cache's keys or values of ``shape`` (``[L, B, S, K, D]``) on ``mesh``, by
     :data:`CACHE_AXES` and the sharding ``rules`` (batch over data, KV heads over tensor,
     replicated when there are fewer KV heads than tensor devices); ``name`` in its errors."""
-    from eagle3_jax import sharding
-
     return jax.sharding.NamedSharding(mesh, sharding.spec(shape, CACHE_AXES, mesh, rules, name=name))
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.pallas_kernels import tree_attention
+
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
@@ -97,7 +99,7 @@ PREFIX_BLOCK = 64
 # On a GPU a step of the walk costs far more than its bytes: on an H200 (jax 0.11.2, batch 1,
 # 8 KV heads of 128, bfloat16, 16 new tokens) the walk took 0.57 ms over 1024 slots (16 steps)
 # and 1.59 ms over 4096 (64 steps), ~21 µs a step, against 0.14 ms for one pass over all 4096
-# (pallas_kernels/device_check.sh, `bench` part).  21 µs is the time HBM (4.8 TB/s) reads
+# (scripts/device_check.sh, `bench` part).  21 µs is the time HBM (4.8 TB/s) reads
 # ~100 MB in, so there a step moves that many bytes (keys, values and the float32 scores): a
 # step's overhead then costs at most what its bytes do, and a small cache is read in one pass
 # (a prefill, whose scores are large, still walks, in short steps: none for an empty prefix).
@@ -171,7 +173,7 @@ def attention(q_BxTxNxD, kv, layer, prefix_len_B, k_new_BxTxKxD, v_new_BxTxKxD, 
             return update(state, scores(k_blk, visible_BxS[:, None, None, None]), v_blk)
 
         # one pass over the whole cache, no loop, on a GPU only: XLA:CPU ran a one-trip loop
-        # faster (tests/test_generate.py's 2000-row sampling test: 24 s, 91 s without the loop)
+        # faster (tests/test_decode.py's 2000-row sampling test: 24 s, 91 s without the loop)
         if blk == S and jax.default_backend() == "gpu":
             state = walk_step(0, state)
         else:
@@ -221,8 +223,6 @@ def self_attention(p, x_BxTxE, cos, sin, kv, layer, prefix_len_B, region_mask_Bx
         out = attention(q, kv, layer, prefix_len_B, k, v, region_mask_BxTxR, scale=head_dim ** -0.5,
                         region_kv=region_kv)
     elif impl in _INTERPRET:
-        from eagle3_jax.pallas_kernels import tree_attention
-
         if region_kv is not None:
             raise ValueError(f"attention_impl={impl!r} does not take region_kv")
         # the kernel reads this layer of the stacked cache in place; without one, an empty prefix

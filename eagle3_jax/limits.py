@@ -8,7 +8,12 @@ its origin).
 A ``Range`` is a kind — ``int``, ``float`` (finite), ``bool``, ``str`` or ``tuple`` (of ints, the
 bounds applying to each item) — with optional bounds (``lo`` included unless ``lo_inclusive`` is
 false, ``hi`` excluded unless ``hi_inclusive``) or a tuple of ``choices``.  Integers are Python or
-numpy integers or 0-d arrays of one, never a bool; an int is a float too.
+numpy integers or 0-d arrays of one, never a bool; an int is a float too (:func:`integer` and
+:func:`host_scalar` read such arguments as Python's).
+
+The table: generate's and the server's arguments, the CLI's flags, a draft tree's fields
+(``TREE``), the speculative policy's (``SPECULATION``) and the sizes a ``config.json`` may give
+(``VOCAB_SIZE`` … ``POSITIONS``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,23 @@ import math
 
 import numpy as np
 
-from eagle3_jax.config import host_scalar, integer
+
+def host_scalar(value):
+    """A 0-d numpy or JAX array as its numpy scalar (``np.array(5)``, ``jnp.int32(5)`` and
+    ``np.int32(5)`` read alike); anything else as it is."""
+    if isinstance(value, np.generic) or not hasattr(value, "__array__"):
+        return value  # numpy scalars (a prompt's ids, often) and plain Python values: no conversion
+    return np.asarray(value)[()] if np.ndim(value) == 0 else value
+
+
+def integer(value) -> int | None:
+    """``value`` as an ``int`` when it is an integer argument (a Python or numpy integer, or a
+    0-d array of one; not a bool), else ``None``."""
+    value = host_scalar(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
 
 KIND_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
               tuple: "a list of integers"}
@@ -36,6 +57,14 @@ class Range:
     def below(self, hi) -> Range:
         """This range with its upper bound ``hi`` (excluded): a bound known only at the call (a vocabulary)."""
         return dataclasses.replace(self, hi=hi, hi_inclusive=False)
+
+    def at_most(self, hi) -> Range:
+        """This range with its upper bound ``hi`` (included): a bound known only at the call."""
+        return dataclasses.replace(self, hi=hi, hi_inclusive=True)
+
+    def at_least(self, lo) -> Range:
+        """This range with its lower bound ``lo`` (included): a bound known only at the call."""
+        return dataclasses.replace(self, lo=lo, lo_inclusive=True)
 
     def pydantic(self) -> dict:
         """The bounds as pydantic ``Field`` keywords (``ge``/``gt``, ``le``/``lt``)."""
@@ -62,6 +91,27 @@ THINKING_BUDGET = Range(int, lo=0, hi=2 ** 31)  # tokens (int32 in the loop stat
 THINKING_GRACE = NON_NEGATIVE
 PORT = Range(int, lo=0, hi=2 ** 16)
 DTYPE = Range(str, choices=("float32", "bfloat16", "float16"))
+
+# a draft tree (``TreeConfig``): nodes with the root, expansions, beams (children per beam); a
+# chain's drafted tokens
+TREE = {"total_tokens": Range(int, lo=2), "depth": NON_NEGATIVE, "top_k": POSITIVE}
+CHAIN_LENGTH = POSITIVE
+# the speculative tiers' policy (``Speculation``): rounds and tier indices (``probe_max`` no
+# less than ``probe``, ``max_tier`` below the number of tiers: bounds known at the call)
+SPECULATION = {"probe": NON_NEGATIVE, "probe_max": NON_NEGATIVE, "warmup": NON_NEGATIVE, "cooldown": POSITIVE,
+               "min_tier": NON_NEGATIVE, "max_tier": NON_NEGATIVE}
+
+# config.json sizes (``eagle3_jax.config_json``), far above any released model, so that a corrupt
+# or hostile config.json cannot make us allocate before the weights are checked; each bound included
+VOCAB_SIZE = Range(int, lo=1, hi=1 << 24, hi_inclusive=True)
+WIDTH = Range(int, lo=1, hi=1 << 20, hi_inclusive=True)  # hidden_size, intermediate_size, target_hidden_size
+HEAD_DIM = Range(int, lo=2, hi=4096, hi_inclusive=True)
+HEADS = Range(int, lo=1, hi=4096, hi_inclusive=True)
+LAYERS = Range(int, lo=1, hi=4096, hi_inclusive=True)
+POSITIONS = Range(int, lo=1, hi=(1 << 31) - 1, hi_inclusive=True)
+DRAFTER_FAMILY = Range(str, choices=("llama", "qwen3"))  # a fresh drafter's decoder layers
+MESH_DATA = Range(int, lo=-1)  # the data axis of a training mesh; -1: all the devices left (0 is refused)
+FRACTION = Range(float, lo=0, hi=1)  # a share in [0, 1)
 
 
 def _as_kind(value, kind):

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import sharding
+
 # Initialisers: ``init(next_key, shape, dtype)``; ``next_key()`` draws a fresh PRNG key and
 # is only called by those that need one (so keyless parameters do not shift the stream).
 
@@ -131,8 +133,6 @@ class Declaration:
         """``{name: NamedSharding}`` on ``mesh`` (a ``Mesh`` or ``AbstractMesh``) by ``rules``
         (entries override ``eagle3_jax.sharding.RULES``); a dimension that cannot be split
         raises ``ValueError`` naming the parameter, the axis and the mesh."""
-        from eagle3_jax import sharding
-
         return {n: jax.sharding.NamedSharding(mesh, sharding.spec(p.shape, p.axes, mesh, rules, units=self.units, name=n))
                 for n, p in self.present()}
 

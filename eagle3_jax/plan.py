@@ -16,14 +16,22 @@ shipped configs name), or the file given by ``--target-config``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from eagle3_jax import decode, kv_cache, sharding, topology
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
+from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+from eagle3_jax.speculation import Speculation
+from eagle3_jax.tree import TreeConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -53,7 +61,7 @@ def shard_bytes(structs) -> int:
     return total
 
 
-def target_config_for(cfg: dict, config_file: Path, target_config: str | Path | None = None) -> tuple[TargetConfig, str]:
+def target_config_for(cfg, config_file: Path, target_config: str | Path | None = None) -> tuple[TargetConfig, str]:
     """The target's architecture and where it was read from (see the module docstring)."""
     if target_config is not None:
         file = Path(target_config)
@@ -63,7 +71,7 @@ def target_config_for(cfg: dict, config_file: Path, target_config: str | Path | 
             raise FileNotFoundError(f"--target-config {target_config}: no such file (give the target's Hugging Face "
                                     f"config.json, or its checkpoint directory)")
     else:
-        target = cfg.get("target")
+        target = cfg.target
         if not target:
             raise ValueError(f"{config_file}: 'target' is not set; give --target-config CONFIG_JSON")
         file = Path(target) / "config.json"
@@ -76,23 +84,19 @@ def target_config_for(cfg: dict, config_file: Path, target_config: str | Path | 
     return TargetConfig.from_dict(read_config_json(file), source=str(file)), str(file)
 
 
-def drafter_config_for(cfg: dict, tcfg: TargetConfig) -> DrafterConfig:
+def drafter_config_for(cfg, tcfg: TargetConfig) -> DrafterConfig:
     """The drafter ``fit`` trains: ``drafter.init``'s config when that checkpoint is here,
     else the pipeline's fresh drafter (shaped after the target)."""
-    init = (cfg.get("drafter") or {}).get("init")
+    init = cfg.drafter.init
     if init and (Path(init) / "config.json").is_file():
         return DrafterConfig.from_dict(read_config_json(init), source=str(Path(init) / "config.json"))
-    from eagle3_jax.train.pipeline import drafter_options
-
-    return DrafterConfig.for_target(tcfg, cfg["draft_vocab_size"], **drafter_options(cfg))
+    return DrafterConfig.for_target(tcfg, cfg.draft_vocab_size, **cfg.drafter.options())
 
 
 def cache_structs(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int, dtype, mesh,
                   rules=None, name: str = "KV cache") -> list[jax.ShapeDtypeStruct]:
     """Keys and values ``[L, B, S, K, D]`` sharded by ``CACHE_AXES`` (batch over data,
     KV heads over tensor, replicated when there are fewer KV heads than tensor devices)."""
-    from eagle3_jax import kv_cache
-
     shape = (num_layers, batch, length, num_kv_heads, head_dim)
     s = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache.layout(shape, mesh, rules, name=name))
     return [s, s]
@@ -164,16 +168,11 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
     on ``mesh`` (``{"data": 2, "tensor": 4}``; default: the config's, which must then give
     every size) without devices.  ``batch`` / ``seq_len`` size the KV caches (default: the
     config's ``regenerate.batch_size`` and ``seq_len``)."""
-    from flax import nnx
-
-    from eagle3_jax import sharding
-    from eagle3_jax.models import drafter as drafter_mod, target as target_mod
     from eagle3_jax.train import pipeline
-    from eagle3_jax.train.trainer import FitConfig
 
     cfg = pipeline.load_config(config_file, overrides)
     axes = dict.fromkeys(sharding.MESH_AXES, 1)
-    axes.update(mesh if mesh is not None else cfg["mesh"])
+    axes.update(mesh if mesh is not None else cfg.mesh.sizes())
     unsized = [a for a, v in axes.items() if v == -1]
     if unsized:
         raise ValueError(f"mesh {axes}: the config's {', '.join(unsized)}=-1 means 'all devices', which a plan without "
@@ -182,10 +181,10 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
     amesh = sharding.abstract_mesh(**axes)
     tcfg, source = target_config_for(cfg, Path(config_file), target_config)
     dcfg = drafter_config_for(cfg, tcfg)
-    fit = FitConfig(**cfg["fit"])
-    dtype = jnp.dtype(cfg["dtype"])
-    batch = cfg["regenerate"]["batch_size"] if batch is None else batch
-    seq_len = cfg["seq_len"] if seq_len is None else seq_len
+    fit = cfg.fit
+    dtype = jnp.dtype(cfg.dtype)
+    batch = cfg.regenerate.batch_size if batch is None else batch
+    seq_len = cfg.seq_len if seq_len is None else seq_len
     for name, value in (("batch", batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected a positive integer")
@@ -213,8 +212,8 @@ def plan(config_file, *, mesh: dict | None = None, batch: int | None = None, seq
             dcfg.num_layers, batch, seq_len, dcfg.num_kv_heads, dcfg.head_dim, dtype, amesh, name="drafter KV cache")),
         "optimizer state (AdamW m and v)": 2 * shard_bytes(trainable),
         "gradients": shard_bytes(trainable),
-        f"activations, fit step ({fit.batch_size} x {cfg['seq_len']}, estimate)": activation_bytes(
-            tcfg, dcfg, batch=fit.batch_size, seq_len=cfg["seq_len"], ttt_length=fit.ttt_length,
+        f"activations, fit step ({fit.batch_size} x {cfg.seq_len}, estimate)": activation_bytes(
+            tcfg, dcfg, batch=fit.batch_size, seq_len=cfg.seq_len, ttt_length=fit.ttt_length,
             compute_dtype=fit.compute_dtype, mesh=amesh, micro_batches=fit.micro_batches, loss_chunk=fit.loss_chunk,
             remat=fit.remat),
     }
@@ -254,29 +253,36 @@ def _tiers(tcfg):
     """The decode loops ``plan --topology`` compiles: (name, speculation or None).  The adaptive
     loop holds every tier's rounds (a chain's and a tree's loops alone are parts of it), so
     its memory bounds theirs."""
-    from eagle3_jax.speculation import Speculation
-    from eagle3_jax.tree import TreeConfig
-
     chain, tree = TreeConfig.chain(4), TreeConfig()
     return [("vanilla", None), ("adaptive (none, chain 4, tree 60,7,10)", Speculation((None, chain, tree)))]
 
 
-def recorded_tau(cfg: dict) -> float | None:
+def recorded_tau(cfg) -> float | None:
     """The drafter's recorded acceptance: ``1 + sim_accept_len`` of the run's ``best.json``
     (tokens committed per round of a chain as long as its TTT), where the run is here."""
-    import json
-
-    best = Path(cfg.get("work_dir") or ".") / "best.json"
+    best = Path(cfg.work_dir or ".") / "best.json"
     try:
         return 1.0 + float(json.loads(best.read_text())["sim_accept_len"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
+# the layer counts the step, round and fit-step costs are compiled at and extrapolated from
+# (:func:`eagle3_jax.topology.per_layer`): three, as two let one compile's fusion choices set the
+# slope (the 70B's vanilla step on v5p:2x4x4 read 0.82 GB at 3 layers, 0.72 GB at 4, 0.96 at 5)
+COST_LAYERS = (3, 4, 5)
+
+
+def layer_weight_bytes(tcfg: TargetConfig, dtype, mesh) -> float:
+    """Bytes of one decoder layer's weights a device holds on ``mesh`` (by the target's
+    declaration): what a step or round reads at least per layer."""
+    decl = target_mod.declare(tcfg)
+    stacked = {n: s for n, s in decl.abstract(dtype, mesh).items() if decl.params[n].stacked}
+    return shard_bytes(stacked) / tcfg.num_layers
+
+
 def _topology_mesh(topology_name: str, devices: list, mesh: dict):
     """The config's (or ``--mesh``'s) axes over the topology's devices; ``-1`` takes the rest."""
-    from eagle3_jax import sharding
-
     axes = dict.fromkeys(sharding.MESH_AXES, 1)
     axes.update(mesh)
     fixed = math.prod(v for v in axes.values() if v != -1)
@@ -306,29 +312,23 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
     ``seq_len // 2``) and ``regenerate.max_new_tokens``, and its prefill; ``slots`` — the
     server's dispatch over that many slots; ``fit`` — the training step at ``fit.batch_size``
     x ``seq_len``.  A loop's cost analysis counts its body once, so the step and round costs
-    come from the loop's parts (:func:`eagle3_jax.decode.lower_parts`) compiled with 3 and 4
-    unrolled layers, extrapolated to the target's (:func:`eagle3_jax.topology.per_layer`),
+    come from the loop's parts (:func:`eagle3_jax.decode.lower_parts`) compiled with
+    :data:`COST_LAYERS` unrolled layers, extrapolated to the target's
+    (:func:`eagle3_jax.topology.per_layer`, never below one read of a layer's weights),
     and the fit step's from one micro-batch so compiled, times ``fit.micro_batches``.
     ``progress(name)`` is called before each compile.  Returns a JSON-ready dict."""
-    import time
-
-    from flax import nnx
-
-    from eagle3_jax import decode, topology
-    from eagle3_jax.models import drafter as drafter_mod, target as target_mod
     from eagle3_jax.train import pipeline
-    from eagle3_jax.train.trainer import FitConfig
 
     chip = topology.chip(topology_name)
     cfg = pipeline.load_config(config_file, overrides)
     devices = topology.devices(topology_name)
-    tmesh, axes = _topology_mesh(topology_name, devices, mesh if mesh is not None else cfg["mesh"])
+    tmesh, axes = _topology_mesh(topology_name, devices, mesh if mesh is not None else cfg.mesh.sizes())
     tcfg, source = target_config_for(cfg, Path(config_file), target_config)
     dcfg = drafter_config_for(cfg, tcfg)
-    dtype = jnp.dtype(cfg["dtype"])
-    fit = FitConfig(**cfg["fit"])
-    batch, max_new = cfg["regenerate"]["batch_size"], cfg["regenerate"]["max_new_tokens"]
-    seq_len = cfg["seq_len"]
+    dtype = jnp.dtype(cfg.dtype)
+    fit = cfg.fit
+    batch, max_new = cfg.regenerate.batch_size, cfg.regenerate.max_new_tokens
+    seq_len = cfg.seq_len
     prompt_len = max(1, seq_len // 2) if prompt_len is None else prompt_len
     tau_source = "--tau"
     if tau is None:
@@ -358,6 +358,7 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
 
     gen = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new, mesh=tmesh)
     target, drafter = models(tcfg)
+    layer_bytes = layer_weight_bytes(tcfg, dtype, tmesh)
     costs = {}
     if "decode" in programs:
         for name, spec in _tiers(tcfg):
@@ -367,9 +368,9 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
         prefill, _ = decode.lower_parts(target, drafter, speculation=adaptive, **gen)
         note("prefill")
         compiled.append(topology.compile_program(f"prefill ({batch} x {prompt_len})", prefill))
-        # the step and round costs: the parts with 3 and 4 layers unrolled
+        # the step and round costs: the parts with COST_LAYERS layers unrolled
         parts = {}
-        for layers_ in (3, 4):
+        for layers_ in COST_LAYERS:
             small = dataclasses.replace(tcfg, num_layers=layers_, capture_layers=(0, 1, 2))
             t_small, d_small = models(small, unroll=True)
             pre, lower_round = decode.lower_parts(t_small, d_small, speculation=adaptive, **gen)
@@ -378,8 +379,9 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
             parts[layers_] = {"prefill": pre_cost}
             for label, tier in (("vanilla step", None), ("chain 4 round", 1), ("tree 60,7,10 round", 2)):
                 parts[layers_][label] = topology.compile_program(label, lower_round(tier, pre_c.out_info))
-        for label in parts[3]:
-            costs[label] = topology.per_layer(parts[3][label], parts[4][label], tcfg.num_layers, label)
+        for label in parts[COST_LAYERS[0]]:
+            costs[label] = topology.per_layer({n: parts[n][label] for n in COST_LAYERS}, tcfg.num_layers, label,
+                                              layer_bytes=layer_bytes)
     if "slots" in programs:
         adaptive = _tiers(tcfg)[-1][1]
         compiled.append(build(f"server dispatch ({batch} slots)", lambda: decode.lower_slots(
@@ -395,8 +397,10 @@ def plan_topology(config_file, topology_name: str, *, mesh: dict | None = None, 
         micro = fit.batch_size // fit.micro_batches
         one = dataclasses.replace(fit, batch_size=micro, micro_batches=1)
         small = [build(f"fit step costs ({n} layers)", lambda n=n: fit_lowered(
-            dataclasses.replace(tcfg, num_layers=n, capture_layers=(0, 1, 2)), one, micro, unroll=True)) for n in (3, 4)]
-        per_micro = topology.per_layer(*small, tcfg.num_layers, "fit step")
+            dataclasses.replace(tcfg, num_layers=n, capture_layers=(0, 1, 2)), one, micro, unroll=True))
+                 for n in COST_LAYERS]
+        per_micro = topology.per_layer(dict(zip(COST_LAYERS, small)), tcfg.num_layers, "fit step",
+                                       layer_bytes=layer_bytes)
         costs["fit step"] = dataclasses.replace(per_micro, flops=per_micro.flops * fit.micro_batches,
                                                 bytes_accessed=per_micro.bytes_accessed * fit.micro_batches,
                                                 xla_seconds=None)
@@ -410,10 +414,6 @@ def lower_fit_step(target, drafter, fit_cfg, mesh, *, rows: int, seq_len: int) -
     declaration, the drafter's params, frozen arrays and AdamW moments by the drafter's,
     ``rows x seq_len`` token ids and loss mask split by rows.  ``target`` / ``drafter``:
     abstract modules (``nnx.eval_shape``)."""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from eagle3_jax import sharding
     from eagle3_jax.train.trainer import fit_step_fn, optimizer
 
     tgraph, tstate = nnx.split(target)
@@ -448,7 +448,7 @@ def _topology_report(config_file, topology_name, chip, axes, source, compiled, c
                  "refused": p.refused} for p in compiled]
     cost_rows = [{"program": name, "compile_s": round(p.compile_s, 1), "flops": p.flops, "bytes_accessed": p.bytes_accessed,
                   "roofline_ms": ms(p), "bound": "compute" if p.flops / chip.bf16_flops_per_s
-                  >= p.bytes_accessed / chip.hbm_bytes_per_s else "memory"} for name, p in costs.items()]
+                  >= p.bytes_accessed / chip.hbm_bytes_per_s else "memory", "note": p.note} for name, p in costs.items()]
     predicted = {}
     if "vanilla step" in costs:
         step = ms(costs["vanilla step"])
@@ -486,11 +486,12 @@ def format_topology_report(r: dict) -> str:
                      + (f" (the compiler: {p['refused']})" if p["refused"] else
                         f" ({'margin' if p['fits'] else 'over by'} {gib(abs(p['margin']))} GiB)"))
     if r["costs"]:
-        lines += ["", "cost per device (compiled: 3 and 4 unrolled layers, extrapolated)",
+        lines += ["", f"cost per device (compiled: {', '.join(map(str, COST_LAYERS))} unrolled layers, extrapolated)",
                   f"  {'program':<28}{'compile':>9}{'GFLOP':>11}{'GB':>9}{'roofline':>12}  bound"]
         for p in r["costs"]:
             lines.append(f"  {p['program']:<28}{p['compile_s']:>8.1f}s{p['flops'] / 1e9:>11.1f}"
                          f"{p['bytes_accessed'] / 1e9:>9.2f}{p['roofline_ms']:>10.2f}ms  {p['bound']}")
+        lines += [f"  note, {p['program']}: {p['note']}" for p in r["costs"] if p.get("note")]
     pr = r["predicted"]
     if pr:
         lines += ["", f"predicted at tau = {r['tau']:.2f} ({r['tau_source']}): vanilla {pr['vanilla_step_ms']:.2f} ms/step"]

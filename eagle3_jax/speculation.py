@@ -44,7 +44,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.config import integer
+from eagle3_jax import limits
 from eagle3_jax.tree import TreeConfig
 
 DECAY = 0.9  # weight of the past in the running acceptance counts and means, per round
@@ -99,19 +99,15 @@ class Speculation:
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculation.policy={self.policy!r}: expected 'adaptive' or 'fixed'")
 
-        def count(name: str, lo: int):  # an integer >= lo (numpy's too), stored as an int
+        for name, rng in limits.SPECULATION.items():  # integers (numpy's too), stored as ints
             v = getattr(self, name)
-            if integer(v) is None or integer(v) < lo:
-                raise ValueError(f"speculation.{name} must be an integer >= {lo}, got {v!r}")
-            object.__setattr__(self, name, integer(v))
-
-        count("probe", 0)
-        count("probe_max", self.probe)
-        count("warmup", 0)
-        count("cooldown", 1)
-        count("min_tier", 0)
-        if self.max_tier is not None:
-            count("max_tier", 0)
+            if name == "max_tier" and v is None:
+                continue
+            rng = rng.at_least(self.probe) if name == "probe_max" else rng  # probe: checked first
+            value, error = limits.problem(v, rng)
+            if error:
+                raise ValueError(f"speculation.{name} must be an integer >= {rng.lo}, got {v!r}")
+            object.__setattr__(self, name, value)
         hi = len(tiers) - 1 if self.max_tier is None else self.max_tier
         if not 0 <= self.min_tier <= hi < len(tiers):
             raise ValueError(f"speculation: need 0 <= min_tier ({self.min_tier}) <= max_tier ({hi}) < {len(tiers)}")

@@ -8,7 +8,7 @@ device) and ``cost_analysis()`` (flops and bytes accessed).  :func:`compile_prog
 into a :class:`Program` report, judged against :data:`CHIPS`.
 
 XLA's cost analysis counts a loop's body once, whatever its trip count; :func:`per_layer`
-therefore reads a layer-stacked program's cost off two compiles of the model with 3 and 4
+therefore reads a layer-stacked program's cost off compiles of the model with 3, 4 and 5
 layers unrolled, and :mod:`eagle3_jax.plan` composes a round from such straight-line programs.
 
 libtpu, loaded on a host without TPUs, prints initialisation warnings when JAX starts its
@@ -146,6 +146,7 @@ class Program:
     bytes_accessed: float
     xla_seconds: float | None  # XLA's own estimate (``optimal_seconds``), where its cost model gives one
     refused: str | None = None  # the compiler's out-of-memory refusal (then only ``temporaries`` is known)
+    note: str | None = None  # how an extrapolated cost was read (see :func:`per_layer`)
 
     @property
     def total(self) -> int:
@@ -202,16 +203,33 @@ def timed_lower(fn, *args, **kwargs) -> tuple[jax.stages.Lowered, float]:
     return lowered, time.perf_counter() - start
 
 
-def per_layer(cost3: Program, cost4: Program, num_layers: int, name: str) -> Program:
-    """A ``num_layers``-layer program's cost from the same program compiled with 3 and 4
-    layers unrolled (every decoder layer costs the same: ``c(L) = c(3) + (L - 3)·(c(4) - c(3))``);
-    the compile time is that of both."""
-    extra = num_layers - 3
+def per_layer(costs: dict[int, Program], num_layers: int, name: str, *, layer_bytes: float = 0.0) -> Program:
+    """A ``num_layers``-layer program's cost from the same program compiled with a few layer
+    counts unrolled (``costs``: layers -> program; every decoder layer costs the same, so cost
+    is a line in the layer count), read off the least-squares line through them: one compile
+    whose fusion differs from its neighbours' moves the line less than it would move the
+    difference of two.  ``layer_bytes``: what one layer must read at least per device (its
+    weights, each read once); where the compiles' slope in bytes falls below it the compiler's
+    choices at these small layer counts do not extrapolate, and the floor is used instead,
+    said in the program's ``note``.  The compile time is that of all of them."""
+    if len(costs) < 2:
+        raise ValueError(f"{name}: the cost extrapolation needs two layer counts or more, got {sorted(costs)}")
+    xs = sorted(costs)
+    mean_x = sum(xs) / len(xs)
+    var = sum((x - mean_x) ** 2 for x in xs)
 
-    def at(a, b):
-        return a + extra * (b - a)
+    def line(field, floor=0.0):
+        ys = [getattr(costs[x], field) for x in xs]
+        mean_y = sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+        return mean_y + max(slope, floor) * (num_layers - mean_x), slope
 
-    return Program(name, cost3.compile_s + cost4.compile_s, 0, 0, 0, 0, 0, at(cost3.flops, cost4.flops),
-                   at(cost3.bytes_accessed, cost4.bytes_accessed),
-                   None if cost3.xla_seconds is None or cost4.xla_seconds is None
-                   else at(cost3.xla_seconds, cost4.xla_seconds))
+    flops, _ = line("flops")
+    bytes_accessed, slope = line("bytes_accessed", layer_bytes)
+    note = None
+    if slope < layer_bytes:
+        note = (f"the compiles' bytes per layer ({slope / 1e6:.1f} MB, layers {', '.join(map(str, xs))}) are below "
+                f"one read of a layer's weights ({layer_bytes / 1e6:.1f} MB a device), which is used instead")
+    xla = None if any(costs[x].xla_seconds is None for x in xs) else line("xla_seconds")[0]
+    return Program(name, sum(c.compile_s for c in costs.values()), 0, 0, 0, 0, 0, flops, bytes_accessed, xla,
+                   note=note)

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.config import integer
+from eagle3_jax import limits
 from eagle3_jax.kv_cache import KVCache, by_rows
 
 
@@ -31,22 +31,29 @@ class TreeConfig:
     top_k: int = 10
 
     def __post_init__(self):
-        for name in ("total_tokens", "depth", "top_k"):
+        outside = False
+        for name, rng in limits.TREE.items():  # the ranges: limits.TREE
             v = getattr(self, name)
-            if integer(v) is None:
+            value, error = limits.problem(v, rng)
+            if isinstance(error, TypeError):
                 raise TypeError(f"TreeConfig.{name} must be an integer, got {type(v).__name__} {v!r}")
-            object.__setattr__(self, name, integer(v))  # numpy integers as ints: one hash, one compiled program
-        if self.total_tokens < 2 or self.depth < 0 or self.top_k < 1:
-            raise ValueError(f"{self}: need total_tokens >= 2, depth >= 0, top_k >= 1")
+            outside = outside or error is not None
+            object.__setattr__(self, name, value)  # numpy integers as ints: one hash, one compiled program
+        if outside:
+            need = ", ".join(f"{name} >= {rng.lo}" for name, rng in limits.TREE.items())
+            raise ValueError(f"{self}: need {need}")
         if self.total_tokens - 1 > self.num_candidates:
             raise ValueError(f"{self}: total_tokens - 1 = {self.total_tokens - 1} exceeds the "
                              f"{self.num_candidates} candidates (top_k + depth*top_k^2)")
 
     @classmethod
     def chain(cls, n: int) -> "TreeConfig":
-        if integer(n) is None or integer(n) < 1:
-            raise ValueError(f"TreeConfig.chain: the chain's length must be an integer >= 1, got {n!r}")
-        n = integer(n)
+        """A chain of ``n`` drafted tokens: ``TreeConfig(n + 1, n - 1, 1)``."""
+        length, error = limits.problem(n, limits.CHAIN_LENGTH)
+        if error:
+            raise ValueError(f"TreeConfig.chain: the chain's length must be an integer >= {limits.CHAIN_LENGTH.lo}, "
+                             f"got {n!r}")
+        n = length
         return cls(total_tokens=n + 1, depth=n - 1, top_k=1)
 
     @property
@@ -138,13 +145,14 @@ def expand(drafter, cache: KVCache, last_hidden_BxH, root_B, cfg: TreeConfig) ->
         new_slots = jax.nn.one_hot((i + 1) * k + jnp.arange(k), D * k, dtype=bool) if i + 1 < D else False
         beam_anc = jnp.take_along_axis(beam_anc, parent_beam[..., None], axis=1) | new_slots
 
-    return _select(jnp.concatenate(cand_scores, 1), jnp.concatenate(cand_tokens, 1),
+    return select(jnp.concatenate(cand_scores, 1), jnp.concatenate(cand_tokens, 1),
                    jnp.concatenate(cand_parents, 1), root_B, cfg, cache)
 
 
-def _select(scores_BxC, tokens_BxC, parents_BxC, root_B, cfg: TreeConfig, cache: KVCache | None = None) -> Tree:
-    """Keeps the best ``total_tokens - 1`` candidates (in candidate order) below the root
-    (``cache``: the drafter's, for its layout on a mesh)."""
+def select(scores_BxC, tokens_BxC, parents_BxC, root_B, cfg: TreeConfig, cache: KVCache | None = None) -> Tree:
+    """The draft tree of ``expand``'s candidates: keeps the best ``total_tokens - 1``
+    candidates (in candidate order) below the root (``cache``: the drafter's, for its layout
+    on a mesh)."""
     N, P = cfg.total_tokens, cfg.path_len
     keep = jnp.sort(_top_k(cache, scores_BxC, N - 1)[1], axis=-1)  # [B, N-1]
     tokens = jnp.concatenate([root_B[:, None], jnp.take_along_axis(tokens_BxC, keep, 1)], 1)

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from eagle3_jax import kv_cache
 from eagle3_jax.pallas_kernels.layout import rows_by_kv_head, rows_to_tokens, stacked_cache
 
 
@@ -237,8 +238,6 @@ def per_device(kernel, q_BxTxNxD, k_cache, layer):
     partition a Mosaic kernel.  The blocks are the cache's layout (``kv_cache.layout``: the
     batch over the batch axes, KV heads over ``tensor`` where they divide); the query rows and
     new keys follow it, so each device's queries meet their own KV heads."""
-    from eagle3_jax import kv_cache  # noqa: PLC0415 - the core's cache layout, not needed without a mesh
-
     mesh = jax.sharding.get_abstract_mesh()
     stacked = layer is not None
     if mesh.empty or mesh.size == 1:

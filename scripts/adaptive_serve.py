@@ -24,7 +24,7 @@ import numpy as np
 
 from eagle3_jax import builtin, speculation
 from eagle3_jax.tree import parse_tree
-from eagle3_jax.serve.app import ServerThread, build
+from eagle3_jax.serve.server import ServerThread, build
 from eagle3_jax.serve.replay import run_load
 from eagle3_jax.speculation import Speculation, tier_name
 

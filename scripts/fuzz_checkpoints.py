@@ -1,4 +1,4 @@
-"""Stress fuzzing of the checkpoint readers: the fuzz cases of ``tests/test_pickle_fuzz.py``
+"""Stress fuzzing of the checkpoint readers: the fuzz cases of ``tests/test_checkpoint_torch_reader.py``
 with many more examples, and a summary of the outcomes.
 
     python scripts/fuzz_checkpoints.py --examples 2000

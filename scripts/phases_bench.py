@@ -6,7 +6,7 @@
 them are left, then into a quarter (from ``eagle3_jax.decode.COMPACT_FROM`` rows on).  This
 runs the built-in eval prompts (the families interleaved, as ``eagle3-jax bench`` batches them)
 in batches of ``--batch-size``, vanilla and
-each ``--tree``, with the phases and without them (``COMPACT_FROM`` raised past the batch);
+each ``--tree``, with the phases and without them (``generate(..., phases=False)``);
 prints tokens/s, the ratio of the two, the share of a static batch's row-steps that make a
 token, and checks that both give every row the same tokens.
 """
@@ -18,7 +18,6 @@ import math
 
 from eagle3_jax import builtin
 from eagle3_jax.tree import parse_tree
-from eagle3_jax.decode import _loop as decode_loop  # where phase_rows reads COMPACT_FROM
 from eagle3_jax.decode import encode_chat, generate
 
 
@@ -37,22 +36,19 @@ def main(argv=None):
     prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
     chunks = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     modes = [("vanilla", None, None)] + [(t, drafter, parse_tree(t)) for t in args.tree]
-    phased_from = decode_loop.COMPACT_FROM
     settings = [(m, phased) for m in modes for phased in (False, True)]
     best, tokens = {}, {}
     for r in range(args.repeats):
         for k in range(len(settings)):  # an order that rotates per pass
             (name, d, tree), phased = settings[(k + r) % len(settings)]
-            decode_loop.COMPACT_FROM = phased_from if phased else math.inf
             seconds, out = 0.0, []
             for chunk in chunks:
-                res = generate(target, d, chunk, max_new_tokens=args.max_new_tokens,
+                res = generate(target, d, chunk, max_new_tokens=args.max_new_tokens, phases=phased,
                                **({} if tree is None else {"tree": tree}))
                 seconds += res.stats["seconds"]
                 out += res.tokens
             best[name, phased] = min(best.get((name, phased), math.inf), seconds)
             tokens[name, phased] = out
-    decode_loop.COMPACT_FROM = phased_from
     n = sum(map(len, tokens["vanilla", False]))
     steps = sum(len(c) * max(len(t) for t in tokens["vanilla", False][i:i + len(c)])
                 for i, c in zip(range(0, len(prompts), args.batch_size), chunks))

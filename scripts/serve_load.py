@@ -37,7 +37,7 @@ import eagle3_jax
 from eagle3_jax import builtin
 from eagle3_jax.tree import parse_tree
 from eagle3_jax.decode import encode_chat
-from eagle3_jax.serve.app import ServerThread, build
+from eagle3_jax.serve.server import ServerThread, build
 
 
 def rss_mb() -> float:

@@ -1,13 +1,15 @@
 """Arrival-rate replay (the experiment's step 3): where does speculation stop paying?
 
 For each mode (vanilla, each static tier, the adaptive policy over them) a server is started
-on loopback (uvicorn in a thread, :class:`~eagle3_jax.serve.app.ServerThread`), and for each
+on loopback (uvicorn in a thread, :class:`~eagle3_jax.serve.server.ServerThread`), and for each
 arrival rate ``N`` chat requests (the built-in eval prompts, cycled) arrive as a Poisson
 process, open loop: each is sent at its arrival time whatever the server's state, streamed,
 and timed on the client from its arrival.  Per mode and rate it reports throughput (generated
 tokens/s and requests/s over the run), goodput (requests per second that met both the TTFT and
 the TPOT objective), TTFT and TPOT percentiles, and refused (429) / failed requests.  The
 crossover is the lowest rate at which no speculative mode's goodput beats vanilla's.
+:func:`run_replay` runs it, prints the table and writes the report and its figure
+(``eagle3-jax replay``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import json
 import math
 import time
 
+import jax
 import numpy as np
+
+from eagle3_jax.atomic import save_figure, write_report, write_report_figure
+from eagle3_jax.serve.server import ServerThread, build
+from eagle3_jax.speculation import Speculation, tier_name
 
 PERCENTILES = (50, 90, 99)
 
@@ -127,10 +134,7 @@ def replay(target, drafter, tokenizer, *, prompts: list[str], rates: list[float]
            max_tokens: int = 256, temperature: float = 0.0, ttft_slo: float = 1.0, tpot_slo: float = 0.02,
            max_seconds: float = 120.0, seed: int = 0, log=print, **server_kw) -> dict:
     """Runs every mode at every rate; returns the report (see the module docstring).
-    ``server_kw`` goes to :func:`eagle3_jax.serve.app.build` (``max_batch``, ``max_len``, ...)."""
-    from eagle3_jax.serve.app import ServerThread, build
-    from eagle3_jax.speculation import Speculation, tier_name
-
+    ``server_kw`` goes to :func:`eagle3_jax.serve.server.build` (``max_batch``, ``max_len``, ...)."""
     modes = [("vanilla", None, None)] + [(tier_name(t), drafter, t) for t in tiers]
     modes.append(("adaptive", drafter, Speculation((None, *tiers), policy="adaptive")))
     report = {"rates": list(rates), "requests": requests, "max_tokens": max_tokens, "temperature": temperature,
@@ -179,8 +183,6 @@ def write_figure(report: dict, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eagle3_jax.atomic import save_figure
-
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in report["modes"].items():
         rates = [r["rate"] for r in rows]
@@ -201,27 +203,18 @@ def write_figure(report: dict, path):
         plt.close(fig)
 
 
-def replay_main(args, target, drafter, tokenizer, is_builtin: bool, json_path, figure_path) -> int:
-    """``eagle3-jax replay``."""
-    from eagle3_jax import builtin
-    from eagle3_jax.tree import parse_tree
-    from eagle3_jax.atomic import write_report, write_report_figure
-    from eagle3_jax.serve.app import server_settings
-
-    if tokenizer is None:
-        raise ValueError(f"--target {args.target}: replay needs its tokenizer (tokenizer.json), found none")
-    prompts = [t["prompt"] for t in builtin.eval_tasks()]
-    tiers = args.tree or [parse_tree(t) for t in ("chain4", "chain6", "16,4,4")]
-    kw = server_settings(args, target, is_builtin)
-    kw.pop("temperature")
-    report = replay(target, drafter, tokenizer, prompts=prompts, rates=sorted(args.rate), requests=args.requests,
-                    tiers=tiers, max_tokens=args.max_tokens, temperature=args.temperature, ttft_slo=args.ttft_slo,
-                    tpot_slo=args.tpot_slo, max_seconds=args.max_seconds, seed=args.seed, **kw)
-    import jax
-
+def run_replay(target, drafter, tokenizer, *, prompts: list[str], rates: list[float], requests: int, tiers,
+               json_path, figure_path, **kw) -> dict:
+    """``eagle3-jax replay``: :func:`replay` of ``prompts`` at each of ``rates`` (sorted) over
+    vanilla decoding, each of ``tiers`` and the adaptive policy over them; prints the
+    :func:`table` and writes the report (with the device) to ``json_path`` and its figure to
+    ``figure_path``.  ``kw``: :func:`replay`'s other keyword arguments (``max_tokens``,
+    ``temperature``, the objectives, the server's settings)."""
+    report = replay(target, drafter, tokenizer, prompts=prompts, rates=sorted(rates), requests=requests, tiers=tiers,
+                    **kw)
     report["device"] = jax.devices()[0].device_kind
     print(table(report), flush=True)
     write_report(json_path, json.dumps(report, indent=2) + "\n", "--json")
     write_report_figure(figure_path, lambda: write_figure(report, figure_path), json_path)
     print(f"wrote {json_path} and {figure_path}")
-    return 0
+    return report

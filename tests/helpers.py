@@ -108,3 +108,288 @@ def oracle_drafter(target, prompts, continuation_len: int, seed: int = 0):
 
     return Oracle(), res.tokens
 
+
+
+FAKE_TIER_LEN = 2  # the stand-in experiment's one static tier: a chain of 2
+FAKE_PROMPTS = [[1, 2], [3, 4], [5, 6]]  # its prompts, one batch each
+
+
+class FakeGenerate:
+    """``generate`` without a model, for the two-budget experiment's bookkeeping
+    (``tests/test_experiment*.py``): every prompt makes 4 tokens (the prefill's and one round of
+    3, on ``tier`` where it speculates), in ``seconds(B, mode name, repeat)`` per call; each call
+    is recorded (B, mode name, first tokens of the prompts, what the adaptive policy had learned
+    when it started), and an adaptive call learns one more round (a counter under the key
+    ``"fake"``)."""
+
+    def __init__(self, tier, chunks: int, seconds=lambda b, name, r: 1.0):
+        self.tier, self.seconds, self.chunks, self.calls, self.made = tier, seconds, chunks, [], {}
+
+    def __call__(self, target, drafter, prompts, *, max_new_tokens, thinking_budget, temperature,
+                 time_first_token=False, warm_up=False, speculation=None, round_ms=None, **kw):
+        from types import SimpleNamespace
+
+        from eagle3_jax import experiment
+        from eagle3_jax import speculation as policy
+        from eagle3_jax.speculation import Speculation, tier_name
+
+        name = experiment.mode_name(speculation)
+        key = (thinking_budget, name, temperature)
+        repeat = self.made.get(key, 0) // self.chunks
+        self.made[key] = self.made.get(key, 0) + 1
+        learned = policy.snapshot().get("fake")
+        self.calls.append((thinking_budget, name, [p[0] for p in prompts], learned))
+        if isinstance(speculation, Speculation):
+            assert round_ms is not None and len(round_ms) == len(speculation.tiers)
+            policy.remember("fake", (learned or 0) + 1)
+        seconds = self.seconds(thinking_budget, name, repeat)
+        stats = {"seconds": seconds, "rounds": [1] * len(prompts), "accept_lengths": [[2] for _ in prompts],
+                 "proposed": 2 * len(prompts), "accepted": 2 * len(prompts), "committed": 4 * len(prompts),
+                 "forced_rounds": 0}
+        if time_first_token:
+            stats["first_token_seconds"] = seconds / 10
+        if speculation is not None:
+            stats["tier_per_round"] = [tier_name(self.tier)]
+        n = len(prompts)
+        return SimpleNamespace(tokens=[[p[0]] * 4 for p in prompts], stats=stats, thinking_tokens=[0] * n,
+                               answer_tokens=[4] * n, thinking_status=["none"] * n)
+
+
+def fake_experiment(monkeypatch, tier=None, chunks: int = len(FAKE_PROMPTS)):
+    """A fixture's body (``yield from``): installs a ``FakeGenerate`` in ``eagle3_jax.experiment``
+    (yielded; its ``seconds`` may be replaced) and round costs that make its calls of 1 s exactly
+    (its first token a tenth of its time, vanilla's 3 steps of 300 ms, a speculative mode's one
+    round of 900 ms); the policy's learned state is left as it was found."""
+    from eagle3_jax import experiment
+    from eagle3_jax import speculation as policy
+
+    from eagle3_jax.tree import TreeConfig
+
+    gen = FakeGenerate(TreeConfig.chain(FAKE_TIER_LEN) if tier is None else tier, chunks)
+    monkeypatch.setattr(experiment, "generate", gen)
+    monkeypatch.setattr(experiment, "round_costs", lambda target, drafter, batch, modes, **kw: {
+        experiment.mode_name(m): dict.fromkeys(experiment.tier_names(m), 300.0 if m is None else 900.0)
+        for m in modes})
+    before = policy.snapshot()
+    policy.forget()
+    yield gen
+    policy.restore(before)
+
+
+def assert_refused(error, fn, path, named):
+    """``fn(path)`` raises ``error`` whose message names the file and each of ``named``."""
+    import pytest
+
+    with pytest.raises(error) as e:
+        fn(path)
+    assert str(path) in str(e.value)
+    for part in named:
+        assert part in str(e.value), str(e.value)
+
+
+def builtin_tokenizer():
+    """The built-in target's tokenizer (transformers', from its directory)."""
+    from transformers import AutoTokenizer
+
+    from eagle3_jax import builtin
+
+    return AutoTokenizer.from_pretrained(str(builtin.TARGET_DIR), local_files_only=True)
+
+
+class FakeSlots:
+    """A stand-in for ``decode.Slots``: ``num_slots`` rows of ``max_len`` tokens; a running
+    request gets ``token`` once per round up to its ``max_new_tokens`` (then it is done), except
+    while ``hold`` is set (its rounds make nothing: it keeps its slot).  Records the inserts."""
+
+    thinking = None
+
+    def __init__(self, token: int, eos: int, num_slots: int = 2, max_len: int = 96):
+        import threading
+
+        self.token, self.num_slots, self.max_len = token, num_slots, max_len
+        self.stop_ids = (eos,)
+        self.request_len, self.max_prompt_len = max_len - 1, max_len - 32
+        self.hold = threading.Event()
+        self.inserts: list[tuple[list[int], dict]] = []
+        self._rows: list[dict | None] = [None] * num_slots
+        self._tickets = iter(range(1 << 30))
+
+    @classmethod
+    def of(cls, tok, **kw) -> "FakeSlots":
+        """Slots whose rounds make ``tok``'s ``x``, ending at its EOS."""
+        return cls(tok.convert_tokens_to_ids("x"), tok.eos_token_id, **kw)
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        return self.request_len - prompt_len if prompt_len <= self.max_prompt_len else 0
+
+    def row_buckets(self):
+        out = [1]
+        while out[-1] < self.num_slots:
+            out.append(min(2 * out[-1], self.num_slots))
+        return out
+
+    def warm_buckets(self):
+        return [1]
+
+    def prompt_bucket(self, prompt_len: int) -> int:
+        return self.max_len
+
+    def reset_policy(self):
+        pass
+
+    def insert(self, slot, prompt_ids, *, max_new_tokens, **kw):
+        self.inserts.append((list(prompt_ids), {"max_new_tokens": max_new_tokens, **kw}))
+        self._rows[slot] = {"tokens": [self.token], "max": max_new_tokens, "ticket": next(self._tickets)}
+        return self._rows[slot]["ticket"]
+
+    def run(self, rounds: int):
+        import time
+
+        time.sleep(0.002)  # a dispatch takes time (the engine thread does not spin)
+        for row in self._rows:
+            if row is not None and not self.hold.is_set():
+                row["tokens"] = (row["tokens"] + [self.token] * rounds)[: row["max"]]
+
+    def poll(self, lag: int = 0):
+        from eagle3_jax.decode import SlotView
+
+        return [SlotView(False, [], False, None, 0, 0, "none", {}, -1) if r is None else
+                SlotView(len(r["tokens"]) < r["max"], list(r["tokens"]), len(r["tokens"]) >= r["max"],
+                         "length" if len(r["tokens"]) >= r["max"] else None, 0, len(r["tokens"]), "none", {},
+                         r["ticket"]) for r in self._rows]
+
+    def release(self, slot: int):
+        self._rows[slot] = None
+
+
+def fake_server(tok, slots, *, max_queue: int = 4, app_tokenizer=None, **cfg):
+    """A ``ServerThread`` (not started) over a real engine on ``slots`` (a :class:`FakeSlots`):
+    model ``fake``, greedy by default, ``cfg`` the other ``ServerConfig`` fields; prompts are
+    tokenized with ``app_tokenizer`` (default ``tok``)."""
+    from eagle3_jax.serve.app import create_app
+    from eagle3_jax.serve.engine import Engine
+    from eagle3_jax.serve.schemas import ServerConfig
+    from eagle3_jax.serve.server import ServerThread
+
+    engine = Engine(slots, tok, max_queue=max_queue).start()
+    return ServerThread(create_app(engine, ServerConfig("fake", len(tok), temperature=0.0, **cfg),
+                                   tokenizer=tok if app_tokenizer is None else app_tokenizer))
+
+
+def post(server, body, path="/v1/completions", **kw):
+    """POSTs ``body`` (a dict or list as JSON, else as it is) to a running server."""
+    import json
+
+    import httpx
+
+    content = json.dumps(body) if isinstance(body, (dict, list)) else body
+    return httpx.post(server.url + path, content=content, timeout=30, **kw)
+
+
+def api_error(r, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """The OpenAI-shaped error of response ``r``, checked: its status, code and parameter."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert code is None or err["code"] == code, err
+    assert err["param"] == param, err
+    return err
+
+
+def run_fake_experiment(tmp_path, **kw):
+    """``run_experiment`` on ``FAKE_PROMPTS`` with no model (under ``fake_experiment``): budgets 0
+    and unlimited, step 2 at unlimited, the chain of ``FAKE_TIER_LEN`` as its one static tier,
+    greedy only, into ``tmp_path / "exp"`` (``kw`` overrides)."""
+    from eagle3_jax import experiment
+    from eagle3_jax.tree import TreeConfig
+
+    kw = {"budgets": (0, None), "chosen": (None,), "tiers": (TreeConfig.chain(FAKE_TIER_LEN),),
+          "sampled_temperature": None, "out_dir": tmp_path / "exp", "progress": False, **kw}
+    return experiment.run_experiment(None, None, None, FAKE_PROMPTS, **kw)
+
+
+
+def chi2_pvalue(a, b, bins):
+    """The χ² test's p-value that samples ``a`` and ``b`` come from one distribution, counted
+    over the values ``bins`` and one bin for every other value (empty bins dropped)."""
+    from scipy.stats import chi2_contingency
+
+    table = np.array([[np.sum(x == v) for v in bins] + [np.sum(~np.isin(x, bins))] for x in (a, b)])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table)[1]
+
+
+def random_candidates(rng, cfg):
+    """Candidate lists with the structure ``tree.expand`` produces (beam-major, cumulative
+    scores) for the tree budget ``cfg``: ``(scores, tokens, parents)``, each ``[1, C]``."""
+    import jax.numpy as jnp
+
+    k = cfg.top_k
+    scores = np.sort(-rng.exponential(size=k))[::-1]
+    all_s, all_p = [scores], [np.full(k, -1)]
+    beam_cand, beam_s = np.arange(k), scores
+    for i in range(cfg.depth):
+        child = np.sort(-rng.exponential(size=(k, k)), axis=1)[:, ::-1]
+        cu = (beam_s[:, None] + child).reshape(-1)
+        all_s.append(cu)
+        all_p.append(np.repeat(beam_cand, k))
+        best = np.argsort(-cu, kind="stable")[:k]
+        beam_cand, beam_s = k + i * k * k + best, cu[best]
+    C = cfg.num_candidates
+    return (jnp.asarray(np.concatenate(all_s))[None], jnp.arange(C, dtype=jnp.int32)[None] + 100,
+            jnp.asarray(np.concatenate(all_p), jnp.int32)[None])
+
+
+TINY_VOCAB, TINY_DRAFT_VOCAB, TINY_HIDDEN = 64, 32, 16  # tiny_drafter's and tiny_target's sizes
+
+
+def _fill(model, shapes: dict, seed: int):
+    """Random values from numpy (no jax compilation) for a model built with ``nnx.eval_shape``."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        if shape is not None:
+            getattr(model, name).set_value(jnp.asarray(rng.normal(size=shape), jnp.float32))
+    model.inv_freq.set_value(jnp.asarray(model.config.rope.inv_freq(model.config.head_dim)))
+    return model
+
+
+def tiny_drafter(seed: int, hidden: int = TINY_HIDDEN, target_hidden: int = TINY_HIDDEN, own_embedding: bool = False):
+    """A random drafter with a vocabulary map (draft id i -> target id 2i), built without compiling."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eagle3_jax.config import DrafterConfig, RopeConfig
+    from eagle3_jax.models.drafter import Drafter, param_shapes
+
+    cfg = DrafterConfig(vocab_size=TINY_VOCAB, draft_vocab_size=TINY_DRAFT_VOCAB, hidden_size=hidden,
+                        intermediate_size=24, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
+                        rope=RopeConfig(), target_hidden_size=target_hidden)
+    model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros((TINY_VOCAB, hidden))))
+    _fill(model, {**param_shapes(cfg), "embed": (TINY_VOCAB, hidden)}, seed)
+    model.d2t.set_value(jnp.arange(TINY_DRAFT_VOCAB, dtype=jnp.int32))
+    model.own_embedding = own_embedding
+    return model
+
+
+def tiny_target(seed: int = 0):
+    """A random 8-layer Llama target of ``TINY_HIDDEN`` and ``TINY_VOCAB``, built without compiling."""
+    from flax import nnx
+
+    from eagle3_jax.config import TargetConfig
+    from eagle3_jax.models.target import Target, param_shapes
+
+    cfg = TargetConfig.from_dict(dict(model_type="llama", hidden_size=TINY_HIDDEN, num_hidden_layers=8,
+                                      intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+                                      vocab_size=TINY_VOCAB, max_position_embeddings=64, eos_token_id=[1]))
+    return _fill(nnx.eval_shape(lambda: Target(cfg)), param_shapes(cfg), seed)
+
+
+def golden_drafters(target=None) -> dict:
+    """The official EAGLE-3 drafters of ``tests/fixtures`` by name (``drafter_tiny`` and
+    ``drafter_tiny_trained``), on ``target`` (default: the golden ``target_tiny``, loaded)."""
+    import eagle3_jax
+
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny") if target is None else target
+    return {name: eagle3_jax.load_drafter(FIXTURES / name, target=target) for name in ("drafter_tiny", "drafter_tiny_trained")}

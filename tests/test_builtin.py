@@ -126,14 +126,14 @@ def test_tasks_are_reproducible_answered_right_and_short_and_long():
 
 
 def test_eval_tasks_never_occur_in_training_data():
-    from eagle3_jax.train import builtin as recipe_mod
+    from eagle3_jax.builtin import recipe as recipe_mod
 
     shipped = builtin.eval_tasks()
     assert shipped == json.loads(json.dumps([dataclass_dict(t) for t in builtin.make_tasks(builtin.EVAL_TASKS,
                                                                                            builtin.EVAL_SEED)]))
     assert all(sum(t["family"] == f for t in shipped) >= 50 for f in builtin.FAMILIES)
     held = {t["prompt"] for t in shipped}
-    r = recipe_mod.Recipe()
+    r = recipe_mod.load_recipe()
     trained = [c[0]["content"] for n, seed in ((r.target_tasks, r.seed), (r.drafter_conversations, r.seed + 2),
                                                (20_000, r.seed + 1))  # target, drafter, tokenizer corpus
                for c, _ in recipe_mod.training_text(n, seed)]
@@ -144,7 +144,7 @@ def test_drills_are_answered_by_copying_from_the_prompt():
     """The recipe's training-only drills: every answer is copied from the prompt (a repeated
     list, the other half of a pair, facts restated by name), in the families' own words, or is a comparison
     worked digit by digit; they are added at the requested share and never cut short."""
-    from eagle3_jax.train import builtin as recipe_mod
+    from eagle3_jax.builtin import recipe as recipe_mod
 
     rng = np.random.default_rng(0)
     words = set(builtin.task_words()) | {"<", ">"}
@@ -307,8 +307,32 @@ def test_bench_builtin_writes_json_and_figure(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- the recipe, scaled down
+def test_recipe_is_read_from_its_yaml(tmp_path):
+    """configs/builtin_recipe.yaml gives every setting (typed, range-checked, unknown keys refused
+    naming the file); --from-scratch swaps in its from_scratch steps and learning rate."""
+    from eagle3_jax.builtin import recipe as recipe_mod
+
+    r = recipe_mod.load_recipe()
+    assert (r.init_target, r.target_steps, r.budgets, r.polish_lr) == ("train/base_target", 1500, (0, 16, 64), 1e-3)
+    scratch = r.scratch()
+    assert (scratch.init_target, scratch.target_steps, scratch.target_lr) == (None, 10_000, 3e-3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.seed = 1
+    for overrides, named in ((["target_stepz=3"], ["did you mean 'target_steps'"]),
+                             (["drill_fraction=1"], ["drill_fraction=1.0", "< 1"]),
+                             (["from_scratch.target_lr=0"], ["from_scratch.target_lr", "> 0"])):
+        with pytest.raises(ValueError) as e:
+            recipe_mod.load_recipe(overrides)
+        for part in named:
+            assert part in str(e.value), str(e.value)
+    short = tmp_path / "recipe.yaml"
+    short.write_text("seed: 0\n")
+    with pytest.raises(ValueError, match=f"{short}: 'vocab_size' is required"):
+        recipe_mod.load_recipe(file=short)
+
+
 def test_recipe_cli_refuses_bad_bases(tmp_path, capsys):
-    from eagle3_jax.train import builtin as recipe_mod
+    from eagle3_jax.builtin import recipe as recipe_mod
 
     for argv, msg in ((["--from-scratch", "--init-target", str(tmp_path)], "exclude each other"),
                       (["--init-target", str(tmp_path / "nowhere")], "no saved target"),
@@ -321,13 +345,14 @@ def test_recipe_cli_refuses_bad_bases(tmp_path, capsys):
 
 
 def test_recipe_runs_end_to_end_scaled_down(tmp_path):
-    """Every stage of `python -m eagle3_jax.train.builtin` on a tiny budget: the code path the shipped
+    """Every stage of `python -m eagle3_jax.builtin.recipe` on a tiny budget: the code path the shipped
     pair came from (tokenizer → target → export → drafter pipeline → metrics)."""
-    from eagle3_jax.train import builtin as recipe_mod
+    from eagle3_jax.builtin import recipe as recipe_mod
 
-    recipe = recipe_mod.Recipe(vocab_size=512, hidden_size=64, num_layers=8, intermediate_size=128, num_heads=2,
-                               num_kv_heads=1, target_tasks=300, target_steps=3, warmup_steps=1, seq_len=64, drafter_conversations=16,
-                               eval_tasks=4, budgets=(0,))
+    recipe = recipe_mod.load_recipe(["vocab_size=512", "hidden_size=64", "num_layers=8", "intermediate_size=128",
+                                     "num_heads=2", "num_kv_heads=1", "target_tasks=300", "target_steps=3",
+                                     "warmup_steps=1", "seq_len=64", "drafter_conversations=16", "eval_tasks=4",
+                                     "budgets=0"])
     work = tmp_path / "work"
     work.mkdir()
     tok = recipe_mod.build_tokenizer(work, recipe)

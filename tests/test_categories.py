@@ -13,8 +13,9 @@ import pytest
 from helpers import FIXTURES
 
 import eagle3_jax
-from eagle3_jax import bench, builtin, cli, experiment
-from eagle3_jax.cli import main
+from eagle3_jax import bench, builtin, experiment
+from eagle3_jax.builtin import running
+from eagle3_jax.cli import common, main
 from eagle3_jax.tree import TreeConfig, parse_tree
 
 CATS = ["a", "b", "a", "a", "b", "a"]  # interleaved: batches of 2 in prompt order would mix them
@@ -232,9 +233,9 @@ def fake_builtin(monkeypatch):
     """The built-in pair's commands with the models stubbed out: what reaches run_bench and
     run_experiment is recorded; the tool's final turn says the right answer."""
     tok = FakeTokenizer()
-    monkeypatch.setattr(cli, "_load_pair", lambda args: (SimpleNamespace(config=SimpleNamespace(vocab_size=16)),
+    monkeypatch.setattr(common, "load_pair", lambda args: (SimpleNamespace(config=SimpleNamespace(vocab_size=16)),
                                                          object(), tok, True))
-    monkeypatch.setattr(cli, "_encode", lambda tok, text, raw=False: [len(text)])
+    monkeypatch.setattr(common, "encode", lambda tok, text, raw=False: [len(text)])
     monkeypatch.setattr(builtin, "eval_tasks", lambda: TASKS)
     finals = []
 
@@ -242,7 +243,7 @@ def fake_builtin(monkeypatch):
         finals.append(first)
         return first + "\n" + builtin.task_from_dict(task).final_line() if builtin.parse_call(first) else first
 
-    monkeypatch.setattr(builtin, "transcript", transcript)
+    monkeypatch.setattr(running, "transcript", transcript)  # what the Scorer calls
     calls = []
     monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: calls.append(kw) or {
         "settings": {"temperature": kw["temperature"]}, "vanilla": {},

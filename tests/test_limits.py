@@ -38,7 +38,7 @@ def test_check_returns_the_value_as_its_kind():
 def test_the_front_doors_share_the_table(capsys):
     """generate, the CLI, the server's request model and the configs refuse a value by the same range."""
     from eagle3_jax.cli import main
-    from eagle3_jax.serve.app import ChatRequest
+    from eagle3_jax.serve.schemas import ChatRequest
     from eagle3_jax.train.trainer import FIT_LIMITS, FitConfig
 
     for field, rng in (("seed", limits.SEED), ("top_p", limits.TOP_P), ("max_tokens", limits.MAX_NEW_TOKENS),

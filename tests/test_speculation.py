@@ -16,7 +16,7 @@ from eagle3_jax.decode import encode_chat
 from eagle3_jax import speculation
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
-from helpers import FIXTURES
+from helpers import FIXTURES, chi2_pvalue
 
 TIERS = (None, TreeConfig.chain(4), TreeConfig(16, 4, 4))
 
@@ -288,8 +288,6 @@ def test_poor_drafter_falls_back_to_no_drafting():
 
 
 def test_adaptive_sampling_matches_the_target_distribution():
-    from test_generate import _chi2_pvalue
-
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     prompt = np.load(FIXTURES / "eagenerate_greedy_trained.npz")["p0_prompt"].tolist()
@@ -303,7 +301,7 @@ def test_adaptive_sampling_matches_the_target_distribution():
     for pos in (1, 3, 5):
         bins = np.unique(np.concatenate([got[:, pos], base[:, pos]]), return_counts=True)
         top = bins[0][np.argsort(-bins[1])[:12]]
-        assert _chi2_pvalue(got[:, pos], base[:, pos], top) > 1e-3, pos
+        assert chi2_pvalue(got[:, pos], base[:, pos], top) > 1e-3, pos
 
 
 @pytest.mark.parametrize("kwargs,exc,words", [

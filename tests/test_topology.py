@@ -32,8 +32,9 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 def _pair(attention_impl="xla", unroll=False, layers=4):
     tcfg = TargetConfig.from_dict({**TINY, "num_hidden_layers": layers}, capture_layers=(0, 1, 2))
     from eagle3_jax.plan import drafter_config_for
+    from eagle3_jax.train.config import PipelineConfig
 
-    dcfg = drafter_config_for({"draft_vocab_size": 128}, tcfg)
+    dcfg = drafter_config_for(PipelineConfig(draft_vocab_size=128), tcfg)
     target = nnx.eval_shape(lambda: Target(tcfg, dtype=jnp.bfloat16, attention_impl=attention_impl,
                                            unroll_layers=unroll))
     drafter = nnx.eval_shape(lambda: Drafter(dcfg, jnp.zeros((tcfg.vocab_size, tcfg.hidden_size), jnp.bfloat16),
@@ -77,7 +78,7 @@ def test_round_costs_follow_the_layers(v5e):
         three, four = costs[3][tier], costs[4][tier]
         assert four.bytes_accessed - three.bytes_accessed >= layer_weight_bytes
         assert four.flops > three.flops
-        eight = topology.per_layer(three, four, 8, "x")
+        eight = topology.per_layer({3: three, 4: four}, 8, "x")
         assert eight.flops == pytest.approx(three.flops + 5 * (four.flops - three.flops))
     assert costs[4][1].flops > costs[4][None].flops  # a chain round verifies 4 tokens, a step one
 
@@ -91,6 +92,30 @@ def test_out_of_memory_is_reported_not_raised(v5e):
     program, compiled = topology.compile_with_report("too big", lowered)
     assert compiled is None and "exceeds available HBM" in program.refused
     assert program.temporaries > topology.CHIPS["v5e"].hbm_bytes
+
+
+def _cost(flops, gb):
+    return topology.Program("p", 1.0, 0, 0, 0, 0, 0, flops, gb * 1e9, None)
+
+
+def test_per_layer_reads_the_least_squares_line():
+    """Exactly linear costs extrapolate exactly; one compile off the line (the 70B vanilla
+    step on v5p:2x4x4: 0.82, 0.72, 0.96 GB at 3, 4, 5 layers) moves the least-squares slope
+    less than it moves a difference of two, and a slope below one read of a layer's weights
+    is replaced by that floor, said in the note."""
+    linear = topology.per_layer({3: _cost(30, 3.5), 4: _cost(40, 4.5), 5: _cost(50, 5.5)}, 80, "step")
+    assert linear.flops == pytest.approx(800) and linear.bytes_accessed == pytest.approx(80.5e9)
+    assert linear.note is None and linear.compile_s == 3.0
+    seen = {3: _cost(7.0, 0.82), 4: _cost(8.64, 0.72), 5: _cost(10.27, 0.96)}
+    step = topology.per_layer(seen, 80, "step")
+    assert step.bytes_accessed == pytest.approx(0.8333e9 + 76 * 0.07e9, rel=1e-3)  # slope (0.96 - 0.82) / 2
+    two = topology.per_layer({3: seen[3], 4: seen[4]}, 80, "step")  # their slope is negative: clamped at zero
+    assert two.bytes_accessed == pytest.approx(0.77e9) and "(-100.0 MB" in two.note
+    floored = topology.per_layer(seen, 80, "step", layer_bytes=0.1e9)
+    assert floored.bytes_accessed == pytest.approx(0.8333e9 + 76 * 0.1e9, rel=1e-3)
+    assert "below one read of a layer's weights (100.0 MB" in floored.note
+    with pytest.raises(ValueError, match="two layer counts or more"):
+        topology.per_layer({3: seen[3]}, 80, "step")
 
 
 def test_chip_table_and_names():

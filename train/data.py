@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle3_jax.atomic import write_atomic
-from eagle3_jax.decode import encode_chat
+from eagle3_jax.decode import encode_chat, generate
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -137,8 +137,6 @@ def regenerate(conversations, tokenizer, target, *, seq_len: int, max_new_tokens
     records whose last answer holds the target's *exact* token ids (a decode/encode round
     trip would hand the drafter token sequences the target never produces).  ``mesh``: decode
     on it (``eagle3_jax.generate``'s ``mesh``)."""
-    from eagle3_jax.decode import generate
-
     convs = [[m for m in c if m["role"] != "assistant"] for c in conversations]
     out = [[] for _ in convs]
     last = [None] * len(convs)  # (prompt ids, generated ids) of each conversation's latest turn

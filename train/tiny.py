@@ -16,6 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+import eagle3_jax
+from eagle3_jax.decode import encode_chat
+from eagle3_jax.train import pipeline
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -66,9 +70,6 @@ def arithmetic_corpus() -> list[str]:
 
 def held_out_taus(target, drafters: dict, tokenizer, *, prompts: int = 32, max_new_tokens: int = 48, trees=None) -> dict:
     """τ per drafter and tree on held-out arithmetic prompts (greedy)."""
-    import eagle3_jax
-    from eagle3_jax.decode import encode_chat
-
     trees = trees or (eagle3_jax.TreeConfig(16, 4, 4), eagle3_jax.TreeConfig(60, 7, 10))
     held = [encode_chat(tokenizer, [{"role": "user", "content": c["conversations"][0]["value"]}])
             for c in arithmetic_conversations(prompts, seed=99)]
@@ -82,9 +83,6 @@ def held_out_taus(target, drafters: dict, tokenizer, *, prompts: int = 32, max_n
 
 
 def main(argv=None):
-    import eagle3_jax
-    from eagle3_jax.train import pipeline
-
     p = argparse.ArgumentParser(description="tiny offline drafter training run")
     p.add_argument("--conversations", type=int, default=600)
     p.add_argument("--work-dir", type=os.path.expanduser, default="runs/tiny")
@@ -103,10 +101,10 @@ def main(argv=None):
     start = time.time()
     pipeline.run("all", cfg)
     print(f"pipeline: {time.time() - start:.0f} s")
-    target = eagle3_jax.load_target(cfg["target"])
+    target = eagle3_jax.load_target(cfg.target)
     drafters = {"trained": eagle3_jax.load_drafter(work / "run" / "export", target=target),
                 "untrained": pipeline.new_drafter(target, np.load(work / "run" / "vocab.npz")["d2t"],
-                                                  draft_vocab_size=cfg["draft_vocab_size"])}
+                                                  draft_vocab_size=cfg.draft_vocab_size)}
     for key, value in held_out_taus(target, drafters, tok).items():
         print(f"{key}: tau {value['tau']:.3f}, acceptance per position {[round(x, 2) for x in value['acceptance_rate']]}")
 

@@ -17,9 +17,11 @@ The package, by role:
 - ``load``: ``load_target`` and ``load_drafter``;
 - ``save``: ``save_target`` and ``save_drafter``, written whole through
   :func:`eagle3_jax.atomic.write_directory`.
+- ``describe``: ``describe_checkpoint``, a directory described for ``eagle3-jax info``.
 """
 
 from eagle3_jax.atomic import check_output_path
+from eagle3_jax.checkpoint.describe import describe_checkpoint
 from eagle3_jax.checkpoint.formats import DTYPES, is_drafter_config, resolve_dtype
 from eagle3_jax.checkpoint.load import load_drafter, load_target
 from eagle3_jax.checkpoint.save import save_drafter, save_target
@@ -28,6 +30,6 @@ from eagle3_jax.checkpoint.torch_reader import INFLATION_SLACK, MAX_INFLATION, M
 
 __all__ = [
     "DTYPES", "INFLATION_SLACK", "MAX_INDEX_BYTES", "MAX_INFLATION", "MAX_PICKLE_BYTES", "SafetensorsSource",
-    "TorchPickleSource", "check_output_path", "is_drafter_config", "load_drafter", "load_target", "open_weights",
-    "resolve_dtype", "save_drafter", "save_target",
+    "TorchPickleSource", "check_output_path", "describe_checkpoint", "is_drafter_config", "load_drafter",
+    "load_target", "open_weights", "resolve_dtype", "save_drafter", "save_target",
 ]

@@ -15,6 +15,10 @@ from eagle3_jax.checkpoint.fetch import fetch_ids, fetch_param, fetch_sharded, f
 from eagle3_jax.checkpoint.formats import DTYPES, resolve_dtype
 from eagle3_jax.checkpoint.sources import open_weights
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
+from eagle3_jax.layers import ATTENTION_IMPLS
+from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+from eagle3_jax.models.drafter import Drafter
+from eagle3_jax.models.target import Target
 
 
 def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = "xla",
@@ -45,10 +49,6 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
     Returns:
       A :class:`~eagle3_jax.models.target.Target`.
     """
-    from eagle3_jax.models.target import Target, declare
-
-    from eagle3_jax.layers import ATTENTION_IMPLS
-
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
     path = Path(path)
@@ -58,7 +58,7 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
         raise ValueError(f"{path / 'config.json'}: key 'torch_dtype' = {cfg.torch_dtype!r} is not one of "
                          f"{sorted(DTYPES)}; pass dtype= to choose one")
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
-    decl = declare(cfg)
+    decl = target_mod.declare(cfg)
     mesh, shardings = param_shardings(decl, path, mesh, rules, shardings)
     source = open_weights(path)
     model = nnx.eval_shape(lambda: Target(cfg, dtype=dtype, attention_impl=attention_impl))
@@ -71,11 +71,9 @@ def load_target(path, *, dtype=None, capture_layers=None, attention_impl: str = 
 def read_target_embedding(path):
     """The embedding table of the Hugging Face target directory ``path`` (a numpy array),
     read alone: what a drafter without its own shares, without loading the target."""
-    from eagle3_jax.models.target import declare
-
     path = Path(path)
     tcfg = TargetConfig.from_dict(read_config_json(path), source=str(path / "config.json"))
-    return open_weights(path).get(declare(tcfg).params["embed"].checkpoint)
+    return open_weights(path).get(target_mod.declare(tcfg).params["embed"].checkpoint)
 
 
 class _Renamed:
@@ -130,16 +128,13 @@ def load_drafter(path, *, target=None, embed=None, dtype=None, mesh=None, rules=
     blocks; the shared embedding placed on its declared sharding; the vocabulary map and
     rotary frequencies replicated).
     """
-    from eagle3_jax.models.drafter import Drafter, declare
-    from eagle3_jax.models.target import Target
-
     if target is not None and not isinstance(target, Target):
         raise TypeError(f"target: expected a loaded Target (eagle3_jax.load_target(...)), got {type(target).__name__} "
                         f"{target!r}")
     path = Path(path)
     raw = read_config_json(path)
     cfg = DrafterConfig.from_dict(raw, source=str(path / "config.json"))
-    decl = declare(cfg)
+    decl = drafter_mod.declare(cfg)
     mesh, shardings = param_shardings(decl, path, mesh, rules, None)
     source = _Renamed(open_weights(path))
     _check_fc(cfg, source, path)

@@ -16,6 +16,10 @@ from safetensors import SafetensorError
 
 from eagle3_jax.atomic import check_output_path, write_directory
 from eagle3_jax.checkpoint.formats import DTYPES, resolve_dtype
+from eagle3_jax.config import SWITCHES, read_config_json
+from eagle3_jax.models import drafter as drafter_mod, target as target_mod
+from eagle3_jax.models.drafter import Drafter
+from eagle3_jax.models.target import Target
 
 
 FORMATS = ("official", "speculators")
@@ -51,8 +55,6 @@ def save_drafter(drafter, path, *, dtype="float32", format: str | None = None, v
 
     ``path`` is replaced whole and atomically, as described in :func:`save_target`.
     """
-    from eagle3_jax.models.drafter import Drafter, declare
-
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter: expected an eagle3_jax Drafter (e.g. from load_drafter), got {type(drafter).__name__}")
     cfg = drafter.config
@@ -78,7 +80,7 @@ def save_drafter(drafter, path, *, dtype="float32", format: str | None = None, v
         if verifier is not None:
             config["speculators_config"]["verifier"] = _verifier(verifier)
     tensors = {}
-    for name, info in declare(cfg).present():
+    for name, info in drafter_mod.declare(cfg).present():
         if name == "embed" and not ship_embed:
             continue
         value = getattr(drafter, name)[...].astype(dtype)
@@ -94,8 +96,6 @@ def save_drafter(drafter, path, *, dtype="float32", format: str | None = None, v
 
 def _verifier(verifier) -> dict:
     """speculators' ``verifier`` entry for the target ``verifier`` (an id or a directory)."""
-    from eagle3_jax.config import read_config_json
-
     if not isinstance(verifier, (str, os.PathLike)) or not os.fspath(verifier):
         raise TypeError(f"verifier: expected the target's id or directory (a path or string), got {verifier!r}")
     archs = []
@@ -107,8 +107,6 @@ def _verifier(verifier) -> dict:
 
 def _beyond_official(cfg) -> str:
     """What the official layout cannot hold of drafter config ``cfg``, by setting."""
-    from eagle3_jax.config import SWITCHES
-
     what = [f"num_layers={cfg.num_layers}"] if cfg.num_layers != 1 else []
     what += [f"layer_family={cfg.layer_family!r}"] if cfg.layer_family != "llama" else []
     what += [f"{cfg.num_captured} captured layers"] if cfg.num_captured != 3 else []
@@ -136,8 +134,6 @@ def save_target(target, path, *, dtype="float32", tokenizer=None, generation_con
     files.  Files get the mode a plain ``open`` gives (umask); a replaced directory keeps
     its mode.
     """
-    from eagle3_jax.models.target import Target, declare
-
     if not isinstance(target, Target):
         raise TypeError(f"target: expected an eagle3_jax Target (e.g. from load_target), got {type(target).__name__}")
     cfg = target.config
@@ -156,7 +152,7 @@ def save_target(target, path, *, dtype="float32", tokenizer=None, generation_con
             raise TypeError(f"generation_config: not JSON-serialisable ({e})") from None
     _check_output(path)
     tensors = {}
-    for name, info in declare(cfg).present():
+    for name, info in target_mod.declare(cfg).present():
         value = getattr(target, name)[...].astype(dtype)
         blocks = list(value) if info.stacked else [value]
         for hf, block in zip(info.checkpoint_names(), blocks):

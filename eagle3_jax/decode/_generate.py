@@ -198,7 +198,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
              end_thinking_ids=None, speculation: Speculation | TreeConfig | None = None,
              round_ms=None, mesh: jax.sharding.Mesh | None = None, rules=None,
              time_first_token: bool = False, warm_up: bool = False,
-             programs: ProgramCache | None = None) -> GenerateResult:
+             programs: ProgramCache | None = None, phases: bool = True) -> GenerateResult:
     """Generates with EAGLE-3 speculative decoding (or vanilla decoding if ``drafter`` is None).
 
     Greedy output is token-identical to the target's own greedy decoding under the same
@@ -237,7 +237,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         loop, 25–40 ms at batch 1), which a steady-state timing leaves out.  The timed call's output is the
         same.
       programs: the ``ProgramCache`` that keeps the compiled loop for later calls (with its
-        measured round costs); default: the module's ``PROGRAMS``.{thinking}
+        measured round costs); default: the module's ``PROGRAMS``.
+      phases: let a large batch decode in phases (``phase_rows``); ``False`` runs one loop
+        over the whole batch (the same tokens: for measurements and tests).{thinking}
     Returns a ``GenerateResult``; per sequence ``thinking_tokens``, ``answer_tokens``,
     ``finish_reason`` (``stop`` | ``length``) and ``thinking_status`` (``none`` | ``closed``
     | ``budget_exhausted`` | ``incomplete``); ``stats["phases"]`` splits the round statistics
@@ -250,7 +252,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                    tokenizer=tokenizer, thinking_budget=thinking_budget, thinking_mode=thinking_mode,
                                    thinking_grace=thinking_grace, think_token_ids=think_token_ids,
                                    end_thinking_ids=end_thinking_ids, speculation=speculation, round_ms=round_ms,
-                                   mesh=mesh, rules=rules, programs=programs)
+                                   mesh=mesh, rules=rules, programs=programs, phases=phases)
     programs = PROGRAMS if programs is None else programs
     warm = timed_call(compiled, args)[0] if warm_up and programs.first_run(compiled) else None
     first_token = timed_call(compiled, forced_args(args, -1, 0))[0] if time_first_token else None

@@ -190,7 +190,7 @@ def speculation_arg(target, drafter, speculation) -> Speculation:
 
 def prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top_k, tree, seed, stop_token_ids,
             tokenizer, thinking_budget=None, thinking_mode="hard", thinking_grace=0, think_token_ids=None,
-            end_thinking_ids=None, speculation=None, round_ms=None, mesh=None, rules=None) -> Request:
+            end_thinking_ids=None, speculation=None, round_ms=None, mesh=None, rules=None, phases=True) -> Request:
     vocab = target.config.vocab_size
     max_new_tokens = limits.check("max_new_tokens", max_new_tokens, limits.MAX_NEW_TOKENS)
     sampling = sampling_args(temperature, top_p, top_k, vocab)
@@ -237,7 +237,8 @@ def prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top
     statics = LoopStatics(max_len=max_len, max_new=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
                           spec=speculation if drafter is not None else None, thinking=thinking,
                           cache_shardings=cache_shardings,
-                          phases=phase_rows(len(seqs), max_new_tokens, kv_cache.row_shards(cache_shardings[0])))
+                          phases=phase_rows(len(seqs), max_new_tokens, kv_cache.row_shards(cache_shardings[0]))
+                          if phases else (len(seqs),))
     return Request(prompt, lengths, statics, seed, budgets, phase, round_ms, rows, mesh,
                    None if rules is None else tuple(rules.items()))
 

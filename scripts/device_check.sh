@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every part of device_check.py on the accelerator, each in its own process with a time limit,
+# Every part of eagle3_jax/device_check.py on the accelerator, each in its own process with a time limit,
 # its results in OUT_DIR/PART.json and everything printed in OUT_DIR/log.txt.  Runs from the
 # source tree (no install): the package layout pyproject.toml declares is assembled under /tmp.
-# DEVICE_CHECK_SMOKE=1: the tiny CPU versions (see device_check.py).
-#   pallas_kernels/device_check.sh OUT_DIR [PART ...]     (default: every part, at most ~10.5 minutes:
+# DEVICE_CHECK_SMOKE=1: the tiny CPU versions (see eagle3_jax/device_check.py).
+#   scripts/device_check.sh OUT_DIR [PART ...]     (default: every part, at most ~10.5 minutes:
 #   longer than one device call may run (10 minutes), so on a lent machine make two: "kernels bench llama8b",
 #   then "builtin step")
 set -uo pipefail
@@ -27,7 +27,7 @@ cd "$src"  # python -m puts the working directory first on sys.path: not the una
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null
   for part in "${parts[@]}"; do
     echo "=== $part (limit ${limit[$part]:-120} s)"
-    timeout -s INT -k 10 "${limit[$part]:-120}" python3 -m eagle3_jax.pallas_kernels.device_check "$part" --out "$out" \
+    timeout -s INT -k 10 "${limit[$part]:-120}" python3 -m eagle3_jax.device_check "$part" --out "$out" \
       ${DEVICE_CHECK_SMOKE:+--smoke}
     echo "=== $part: exit $?"
   done

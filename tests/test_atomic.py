@@ -19,50 +19,13 @@ import shutil
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from flax import nnx
 
 import eagle3_jax
 from eagle3_jax import atomic
-from eagle3_jax.config import DrafterConfig, RopeConfig, TargetConfig
-from eagle3_jax.models.drafter import Drafter
-from eagle3_jax.models.drafter import param_shapes as drafter_shapes
-from eagle3_jax.models.target import Target
-from eagle3_jax.models.target import param_shapes as target_shapes
-
-VOCAB, DRAFT_VOCAB, H = 64, 32, 16
-
-
-def _fill(model, shapes: dict, seed: int):
-    """Random values from numpy (no jax compilation) for a model built with ``nnx.eval_shape``."""
-    rng = np.random.default_rng(seed)
-    for name, shape in shapes.items():
-        if shape is not None:
-            getattr(model, name).set_value(jnp.asarray(rng.normal(size=shape), jnp.float32))
-    model.inv_freq.set_value(jnp.asarray(model.config.rope.inv_freq(model.config.head_dim)))
-    return model
-
-
-def tiny_drafter(seed: int, hidden: int = H, target_hidden: int = H, own_embedding: bool = False) -> Drafter:
-    """A random drafter with a vocabulary map (draft id i -> target id 2i)."""
-    cfg = DrafterConfig(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, hidden_size=hidden, intermediate_size=24,
-                        num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope=RopeConfig(),
-                        target_hidden_size=target_hidden)
-    model = nnx.eval_shape(lambda: Drafter(cfg, jnp.zeros((VOCAB, hidden))))
-    _fill(model, {**drafter_shapes(cfg), "embed": (VOCAB, hidden)}, seed)
-    model.d2t.set_value(jnp.arange(DRAFT_VOCAB, dtype=jnp.int32))
-    model.own_embedding = own_embedding
-    return model
-
-
-def tiny_target(seed: int = 0) -> Target:
-    cfg = TargetConfig.from_dict(dict(model_type="llama", hidden_size=H, num_hidden_layers=8, intermediate_size=24,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
-                                      max_position_embeddings=64, eos_token_id=[1]))
-    return _fill(nnx.eval_shape(lambda: Target(cfg)), target_shapes(cfg), seed)
+from helpers import tiny_drafter, tiny_target
 
 
 def snapshot(directory: pathlib.Path) -> dict[str, bytes]:
@@ -356,10 +319,10 @@ def test_write_atomic_refuses_other_content_before_touching_anything(tmp_path):
 
 
 def test_the_project_writers_share_one_atomic_writer():
-    from eagle3_jax import cli, experiment
+    from eagle3_jax import experiment
     from eagle3_jax.train import data
 
-    assert cli.write_atomic is experiment.write_atomic is data.write_atomic is atomic.write_atomic
+    assert experiment.write_atomic is data.write_atomic is atomic.write_atomic
 
 
 # ----------------------------------------------------------------- one directory: write_directory

@@ -1,13 +1,15 @@
 """The recipe of the built-in pair (``eagle3_jax.builtin``): one command retrains the
 reasoning target and its EAGLE-3 drafter on a CPU, then reports their metrics.
 
-    python -m eagle3_jax.train.builtin --work-dir runs/builtin --out eagle3_jax/assets/builtin
+    python -m eagle3_jax.builtin.recipe --work-dir runs/builtin --out eagle3_jax/assets/builtin
+
+Its settings are ``configs/builtin_recipe.yaml`` (:class:`Recipe`, :func:`load_recipe`).
 
 By default the target is a 1 500-step fine-tune of ``train/base_target``, the pair's previous
 target, which has already learned the families' formats. That base is the target shipped at
 commit ``56a2ed4``, a 3 000-step fine-tune with the recall drill at a quarter of the drills; its
 own base was shipped at ``ad9d164``, a 2 500-step fine-tune without the recall drill of a target
-trained 10 000 steps from scratch (:data:`SCRATCH`) on the tasks as they were at commit
+trained 10 000 steps from scratch (the recipe's ``from_scratch``) on the tasks as they were at commit
 ``9a961fb``. ``--from-scratch`` trains one from a random initialisation instead.
 
 Stages (each resumes from ``work_dir`` when re-run; their seconds go to ``stages.json``): the
@@ -34,6 +36,8 @@ import shutil
 import time
 from pathlib import Path
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,48 +46,86 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from eagle3_jax import builtin
+import eagle3_jax
+from eagle3_jax import builtin, configfile, limits
+from eagle3_jax.checkpoint import load_target, save_target
+from eagle3_jax.config import TargetConfig
+from eagle3_jax.models.target import Target
+from eagle3_jax.train import pipeline
+from eagle3_jax.train.config import PipelineConfig
+from eagle3_jax.train.data import tokenize
+from eagle3_jax.train.tiny import build_tokenizer as bpe
+from eagle3_jax.tree import parse_tree
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: configs/, train/base_target
+RECIPE_FILE = ROOT / "configs" / "builtin_recipe.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class FromScratch:
+    """What ``--from-scratch`` changes: the target's steps and learning rate."""
+
+    target_steps: int
+    target_lr: float
+
+    LIMITS: ClassVar[dict] = {"target_steps": limits.POSITIVE, "target_lr": limits.POSITIVE_FLOAT}
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    seed: int = 0
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    num_layers: int = 16
-    intermediate_size: int = 344
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    tie_embeddings: bool = False     # tied, the name tokens' rows were pushed together by the output loss and names were never copied
-    max_position_embeddings: int = 512
-    target_tasks: int = 60_000       # generated training tasks (the stream is sampled from them)
-    cut_fraction: float = 0.15       # share of examples whose thinking is cut short
-    drill_fraction: float = 0.25     # share of target examples that are copy / recall / comparison drills (training only)
-    init_target: str | None = "train/base_target"  # fine-tune this saved target (under the repository); None: from scratch
-    target_steps: int = 1_500        # from scratch: 10 000 (SCRATCH)
-    target_batch: int = 8
-    seq_len: int = 352             # the longest response (math, 12 steps: 279 tokens) and its prompt fit one window
-    target_lr: float = 1e-3          # from scratch: 3e-3 (SCRATCH)
-    warmup_steps: int = 100
-    decay_fraction: float = 0.2      # warmup, constant, then linear decay over the last 20% of the steps
-    drafter_conversations: int = 4000
-    polish_steps: int = 2_000        # the drafter's fit continued from its weights (0: not continued)
-    polish_lr: float = 1e-3          # ... at this learning rate (a second warmup and cosine decay)
-    eval_tasks: int = 200
-    budgets: tuple[int, ...] = (0, 16, 64)  # thinking tokens allowed (plus unlimited)
+    """The recipe's settings, every one given by ``configs/builtin_recipe.yaml`` (its comments
+    say what each is): :func:`load_recipe`."""
+
+    seed: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    tie_embeddings: bool
+    max_position_embeddings: int
+    target_tasks: int
+    cut_fraction: float
+    drill_fraction: float
+    init_target: str | None  # under the repository; None: from scratch
+    target_steps: int
+    target_batch: int
+    seq_len: int
+    target_lr: float
+    warmup_steps: int
+    decay_fraction: float
+    drafter_conversations: int
+    polish_steps: int
+    polish_lr: float
+    eval_tasks: int
+    budgets: tuple[int, ...]
+    from_scratch: FromScratch
+
+    LIMITS: ClassVar[dict] = {
+        "seed": limits.NON_NEGATIVE, "vocab_size": limits.POSITIVE, "hidden_size": limits.POSITIVE,
+        "num_layers": limits.POSITIVE, "intermediate_size": limits.POSITIVE, "num_heads": limits.POSITIVE,
+        "num_kv_heads": limits.POSITIVE, "max_position_embeddings": limits.MAX_LEN, "target_tasks": limits.POSITIVE,
+        "cut_fraction": limits.FRACTION, "drill_fraction": limits.FRACTION, "target_steps": limits.POSITIVE,
+        "target_batch": limits.POSITIVE, "seq_len": limits.MAX_LEN, "target_lr": limits.POSITIVE_FLOAT,
+        "warmup_steps": limits.NON_NEGATIVE, "decay_fraction": limits.FRACTION,
+        "drafter_conversations": limits.POSITIVE, "polish_steps": limits.NON_NEGATIVE,
+        "polish_lr": limits.POSITIVE_FLOAT, "eval_tasks": limits.POSITIVE, "budgets": limits.NON_NEGATIVE}
+
+    def scratch(self) -> Recipe:
+        """This recipe training its target from a random initialisation (``--from-scratch``)."""
+        return dataclasses.replace(self, init_target=None, target_steps=self.from_scratch.target_steps,
+                                   target_lr=self.from_scratch.target_lr)
 
 
-# a run from scratch: the steps and learning rate that trained train/base_target (on the tasks of
-# commit 9a961fb, in 288-token windows)
-SCRATCH = dict(init_target=None, target_steps=10_000, target_lr=3e-3)
+def load_recipe(overrides=(), file: str | Path = RECIPE_FILE) -> Recipe:
+    """The recipe of ``configs/builtin_recipe.yaml`` (:mod:`eagle3_jax.configfile`), then
+    ``key=value`` overrides."""
+    return configfile.load(Recipe, file, overrides, label="recipe")
 
 
 # ------------------------------------------------------------------ tokenizer
 def build_tokenizer(work: Path, recipe: Recipe):
-    from eagle3_jax.train.tiny import build_tokenizer as bpe
-
     if (work / "tokenizer" / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
@@ -170,8 +212,6 @@ def training_text(n: int, seed: int, cut_fraction: float = 0.0, drill_fraction: 
 
 # ------------------------------------------------------------------ target
 def target_config(recipe: Recipe, tok):
-    from eagle3_jax.config import TargetConfig
-
     return TargetConfig.from_dict(dict(
         model_type="llama", hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
         intermediate_size=recipe.intermediate_size, num_attention_heads=recipe.num_heads,
@@ -184,8 +224,6 @@ def lm_stream(examples, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All conversations back to back: ``(ids, loss_mask, example_starts)``.  In a cut-short
     example the ``</think>`` is what a thinking budget forces, not what the model should
     say, so it carries no loss: the model learns to answer after it, never to stop early."""
-    from eagle3_jax.train.data import tokenize
-
     close = tok.convert_tokens_to_ids(builtin.THINK_CLOSE)
     pairs = []
     for conv, cut in tqdm(examples, desc="tokenize"):
@@ -211,11 +249,7 @@ def train_target(work: Path, recipe: Recipe, tok, init: Path | None = None):
     into the next examples.  ``init``: a saved target to fine-tune instead of a random
     initialisation (its tokenizer is the run's).  Checkpoints every 100 steps; a re-run
     resumes."""
-    from eagle3_jax.models.target import Target
-
     if init is not None:
-        from eagle3_jax.checkpoint import load_target
-
         model = load_target(init, dtype="float32")
     else:
         model = Target(target_config(recipe, tok), rngs=nnx.Rngs(recipe.seed))
@@ -265,8 +299,6 @@ def train_target(work: Path, recipe: Recipe, tok, init: Path | None = None):
 
 
 def export_target(model, tok, path: Path):
-    from eagle3_jax.checkpoint import save_target
-
     save_target(model, path, dtype="bfloat16", tokenizer=tok,
                 generation_config={"eos_token_id": tok.eos_token_id, "do_sample": False})
 
@@ -275,8 +307,6 @@ def export_target(model, tok, path: Path):
 def train_drafter(work: Path, recipe: Recipe, overrides=()):
     """The project's own pipeline on the exported target: regenerate → vocab → fit → export
     (to ``work/drafter_fit``; run in ``work/drafter_run``)."""
-    from eagle3_jax.train import pipeline
-
     data = work / "drafter_conversations.jsonl"
     with open(data, "w") as f:
         for conv, _ in training_text(recipe.drafter_conversations, recipe.seed + 2):
@@ -292,8 +322,6 @@ def polish_drafter(work: Path, recipe: Recipe, overrides=()):
     ``work/drafter_polish_run`` and exported to ``work/drafter``; with no steps, the fitted
     drafter is the pair's.  ``overrides`` as for :func:`train_drafter` (the steps and
     learning rate are the recipe's)."""
-    from eagle3_jax.train import pipeline
-
     if recipe.polish_steps == 0:
         shutil.copytree(work / "drafter_fit", work / "drafter", dirs_exist_ok=True)
         return
@@ -309,9 +337,7 @@ def polish_drafter(work: Path, recipe: Recipe, overrides=()):
         pipeline.run(step, cfg)
 
 
-def _drafter_config(work: Path, overrides) -> dict:
-    from eagle3_jax.train import pipeline
-
+def _drafter_config(work: Path, overrides) -> PipelineConfig:
     return pipeline.load_config(ROOT / "configs" / "builtin.yaml", [f"target={work / 'target'}", *overrides])
 
 
@@ -342,8 +368,6 @@ def evaluate(target, drafter, tok, tasks: list[dict], budgets, max_new_tokens: i
     per family × thinking budget B, accuracy, thinking / answer tokens and timeouts (vanilla
     greedy); the tool calls' checks at unlimited B; per family × tree, greedy τ and token
     identity with vanilla (both turns)."""
-    from eagle3_jax.tree import parse_tree
-
     by_family = {f: [t for t in tasks if t["family"] == f] for f in builtin.FAMILIES}
     by_budget, vanilla = {}, {}
     for b in [*budgets, None]:
@@ -387,21 +411,23 @@ def _timed(work: Path, stage: str, fn):
 
 
 def main(argv=None):
+    default = load_recipe()
     p = argparse.ArgumentParser(description="retrain the built-in target (a fine-tune of train/base_target, or from "
                                             "scratch) and its drafter, evaluate them and install the pair")
     p.add_argument("--work-dir", type=os.path.expanduser, default="runs/builtin")
     p.add_argument("--out", type=os.path.expanduser, default=str(builtin.ASSETS),
                    help="where the pair is installed (the package's assets)")
     p.add_argument("--from-scratch", action="store_true",
-                   help=f"train the target from a random initialisation and a tokenizer of its own ({SCRATCH['target_steps']} "
-                        f"steps at lr {SCRATCH['target_lr']}) instead of fine-tuning {Recipe.init_target}")
+                   help=f"train the target from a random initialisation and a tokenizer of its own "
+                        f"({default.from_scratch.target_steps} steps at lr {default.from_scratch.target_lr}) instead of "
+                        f"fine-tuning {default.init_target}")
     p.add_argument("--init-target", type=os.path.expanduser, default=None,
-                   help=f"the saved target to fine-tune (default {Recipe.init_target}); the run keeps its tokenizer")
-    p.add_argument("--target-steps", type=int, default=None, help="default: the recipe's (or SCRATCH's)")
-    p.add_argument("--target-lr", type=float, default=None, help="default: the recipe's (or SCRATCH's)")
+                   help=f"the saved target to fine-tune (default {default.init_target}); the run keeps its tokenizer")
+    p.add_argument("--target-steps", type=int, default=None, help="default: the recipe's (or its from_scratch's)")
+    p.add_argument("--target-lr", type=float, default=None, help="default: the recipe's (or its from_scratch's)")
     p.add_argument("--polish-steps", type=int, default=None,
-                   help=f"steps of the drafter's continued fit (default {Recipe.polish_steps}; 0: none)")
-    p.add_argument("--polish-lr", type=float, default=None, help=f"its learning rate (default {Recipe.polish_lr})")
+                   help=f"steps of the drafter's continued fit (default {default.polish_steps}; 0: none)")
+    p.add_argument("--polish-lr", type=float, default=None, help=f"its learning rate (default {default.polish_lr})")
     p.add_argument("--stage", choices=["all", "target", "drafter", "polish", "eval"], default="all")
     p.add_argument("overrides", nargs="*", help="drafter config overrides for both of its fits, e.g. fit.batch_size=8 "
                                                 "(the continued fit's steps and learning rate are --polish-*)")
@@ -415,7 +441,7 @@ def main(argv=None):
     given = {k: v for k, v in (("init_target", args.init_target), ("target_steps", args.target_steps),
                                ("target_lr", args.target_lr), ("polish_steps", args.polish_steps),
                                ("polish_lr", args.polish_lr)) if v is not None}
-    recipe = Recipe(**{**(SCRATCH if args.from_scratch else {}), **given})
+    recipe = dataclasses.replace(default.scratch() if args.from_scratch else default, **given)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     # the recipe's base lies under the repository; a path given on the command line is the caller's
@@ -436,15 +462,13 @@ def main(argv=None):
     if args.stage in ("all", "polish") and not (work / "drafter" / "config.json").exists():
         _timed(work, "polish", lambda: polish_drafter(work, recipe, args.overrides))
     if args.stage in ("all", "eval"):
-        import eagle3_jax
-
         tasks = write_eval_set(work / "eval.json", recipe)
         target = eagle3_jax.load_target(work / "target", dtype="float32")
         drafter = eagle3_jax.load_drafter(work / "drafter", target=target)
         metrics = _timed(work, "eval", lambda: evaluate(target, drafter, tok, tasks, recipe.budgets))
         fits = [{"run": run, **json.loads((work / run / "best.json").read_text())}
                 for run in ("drafter_run", "drafter_polish_run") if (work / run / "best.json").exists()]
-        metrics.update(recipe=dataclasses.asdict(recipe), drafter_best=fits[-1], drafter_fits=fits,
+        metrics.update(recipe={k: v for k, v in dataclasses.asdict(recipe).items() if k != "from_scratch"}, drafter_best=fits[-1], drafter_fits=fits,
                        stage_seconds=json.loads((work / "stages.json").read_text()))
         (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print(json.dumps(metrics, indent=2))

@@ -16,8 +16,7 @@ from safetensors.numpy import load_file
 import eagle3_jax
 from eagle3_jax import builtin
 from eagle3_jax.checkpoint import TorchPickleSource
-from helpers import FIXTURES
-from test_atomic_writes import tiny_drafter, tiny_target
+from helpers import FIXTURES, tiny_drafter, tiny_target
 
 # Keys of the published config that the official runtime, SGLang and vLLM read for the drafter.
 RUNTIME_KEYS = ("model_type", "hidden_act", "hidden_size", "intermediate_size", "num_attention_heads",

@@ -1,6 +1,6 @@
-"""The command line on malformed input: one line on stderr naming the argument or file,
-exit status 2, never a traceback (``--debug`` shows it); output paths checked before the
-work, and a finished benchmark is never thrown away."""
+"""The command line (:mod:`eagle3_jax.cli`): its parser, and on malformed input one line on
+stderr naming the argument or file, exit status 2, never a traceback (``--debug`` shows it);
+output paths checked before the work, and a finished benchmark is never thrown away."""
 
 import json
 import os
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_jax import cli
-from eagle3_jax.cli import main
+from eagle3_jax import checkpoint, cli, cost
+from eagle3_jax.cli import common, main
 from helpers import FIXTURES
 
 ROOT = Path(__file__).parent.parent
@@ -152,7 +152,7 @@ def test_top_level_errors_are_one_line(monkeypatch, capsys, exc, named, code):
     def boom(path):
         raise exc
 
-    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    monkeypatch.setattr(checkpoint, "describe_checkpoint", boom)
     _one_line_error(capsys, ["info", "somewhere"], *named, code=code)
 
 
@@ -162,7 +162,7 @@ def test_safetensors_error_is_one_line(tmp_path, monkeypatch, capsys):
     def boom(path):
         raise SafetensorError("model.safetensors: header too large")
 
-    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    monkeypatch.setattr(checkpoint, "describe_checkpoint", boom)
     _one_line_error(capsys, ["info", "x"], "model.safetensors")
 
 
@@ -170,7 +170,7 @@ def test_interrupt_exits_130(monkeypatch, capsys):
     def boom(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "describe_checkpoint", boom)
+    monkeypatch.setattr(checkpoint, "describe_checkpoint", boom)
     assert main(["info", "x"]) == 130
     assert "interrupted" in capsys.readouterr().err
 
@@ -208,7 +208,7 @@ def fake_bench(monkeypatch):
     from eagle3_jax import bench
 
     target = SimpleNamespace(config=SimpleNamespace(vocab_size=16))
-    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, object(), None, False))
+    monkeypatch.setattr(common, "load_pair", lambda args: (target, object(), None, False))
     calls = []
 
     def run_bench(*args, **kw):
@@ -264,7 +264,6 @@ def test_bench_report_survives_an_unwritable_json(tmp_path, capsys, monkeypatch,
     assert json.loads(captured.out)["reports"] == [REPORT]
 
 
-
 def _failing_savefig(monkeypatch):
     """``Figure.savefig`` that writes part of a figure into its target and then fails (a full disk)."""
     from matplotlib.figure import Figure
@@ -300,8 +299,8 @@ def test_bench_cost_report_survives_an_unwritable_json(tmp_path, capsys, monkeyp
         (tmp_path / "out").write_text("in the way")
         return {"rows": [1, 2]}
 
-    monkeypatch.setattr(cli, "_cost_report", cost_report)
-    monkeypatch.setattr(cli, "_mesh", lambda args, *rest: None)
+    monkeypatch.setattr(cost, "report", cost_report)
+    monkeypatch.setattr(common, "mesh", lambda args, *rest: None)
     rc = main(["bench", "--target", "t", "--drafter", "d", "--num-prompts", "1", "--cost", "--json", str(out),
                "--figure", str(tmp_path / "f.png")])
     captured = capsys.readouterr()
@@ -322,7 +321,7 @@ def fake_replay(monkeypatch):
     from eagle3_jax.serve import replay
 
     target = SimpleNamespace(config=SimpleNamespace(vocab_size=16, max_position_embeddings=64))
-    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, object(), object(), True))
+    monkeypatch.setattr(common, "load_pair", lambda args: (target, object(), object(), True))
     state = SimpleNamespace(in_the_way=None, runs=0)
 
     def run(*args, **kw):
@@ -372,38 +371,22 @@ def test_replay_writes_its_outputs_atomically(tmp_path, capsys, monkeypatch, fak
     assert fig.read_bytes() == b"OLD FIGURE" and not list(tmp_path.glob(".*tmp*"))
 
 
-def test_compile_cache_is_per_user_bounded_and_overridable(tmp_path, monkeypatch, capsys):
-    """serve, replay, generate, bench and experiment keep compiled programs in a per-user
-    directory by default (bounded, so JAX locks it between processes); $JAX_COMPILATION_CACHE_DIR
-    and --compile-cache choose another, off none; a default that cannot be made only warns."""
-    import jax
-
-    keys = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs",
-            "jax_enable_compilation_cache")
-    saved = {k: getattr(jax.config, k) for k in keys}
-    for var in ("JAX_COMPILATION_CACHE_MAX_SIZE", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        default = tmp_path / "xdg" / "eagle3-jax" / "xla"
-        assert cli.use_compile_cache(None) == default and default.is_dir()
-        assert (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size,
-                jax.config.jax_persistent_cache_min_compile_time_secs) == \
-            (str(default), cli.COMPILE_CACHE_BYTES, cli.COMPILE_CACHE_MIN_SECONDS)
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "env"))  # as $JAX_COMPILATION_CACHE_DIR sets it
-        assert cli.use_compile_cache(None) == tmp_path / "env"
-        assert cli.use_compile_cache(str(tmp_path / "flag")) == tmp_path / "flag"
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "flag")
-        assert cli.use_compile_cache("off") is None and not jax.config.jax_enable_compilation_cache
-        (tmp_path / "afile").write_text("")
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile"))
-        jax.config.update("jax_compilation_cache_dir", None)
-        assert cli.use_compile_cache(None) is None
-        assert "warning: no compilation cache" in capsys.readouterr().err
-    finally:
-        for k, v in saved.items():
-            jax.config.update(k, v)
+def test_the_compiling_commands_take_compile_cache():
+    """serve, replay, generate, bench and experiment take --compile-cache (off: no cache)."""
     parser = cli.build_parser()
     for argv in (["serve"], ["replay", "--rate", "1"], ["generate", "x"], ["bench"], ["experiment"]):
         assert parser.parse_args([*argv, "--compile-cache", "off"]).compile_cache == "off"
+
+
+def test_mesh_flag_reads_auto_none_and_axes():
+    parser = cli.build_parser()
+
+    def mesh(text):
+        return parser.parse_args(["bench", "--mesh", text]).mesh
+
+    assert mesh("auto") == "auto" and mesh(" None ") == "none"
+    assert mesh("data=2") == {"data": 2, "fsdp": 1, "tensor": 1}
+    with pytest.raises(cli.UsageError, match="--mesh"):
+        mesh("data=two")
+    assert parser.parse_args(["bench"]).cores  # bench splits by default ...
+    assert not getattr(parser.parse_args(["generate", "x"]), "cores", False)  # ... generate does not

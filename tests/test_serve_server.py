@@ -1,5 +1,7 @@
-"""The OpenAI-compatible server on loopback, driven by the official ``openai`` client: one
-server (the built-in pair, 4 slots of 512 tokens, a chain of 4) shared by the module."""
+"""``eagle3_jax.serve.server``: the OpenAI-compatible server built on the built-in pair, on
+loopback, driven by the official ``openai`` client (one server, 4 slots of 512 tokens, a chain
+of 4, shared by the module); the checks before a start (the slots' caches against the memory)
+and a start's imports."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax import builtin
 from eagle3_jax.decode import encode_chat
-from eagle3_jax.serve.app import ServerThread, build
+from eagle3_jax.serve.server import ServerThread, build, check_cache_fits
 
 openai = pytest.importorskip("openai")
 
@@ -381,3 +383,36 @@ def test_metrics_page(server, client):
                    for i in range(4)]
         assert drafts > 0 and proposed == 4 * drafts and 0 < accepted <= proposed
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_serve_refuses_slots_whose_caches_exceed_the_memory(capsys):
+    """--max-batch x --max-len whose KV caches alone exceed the device's memory: one line
+    naming both and the sizes, before any cache is allocated (not an allocation failure, or
+    a machine swapping, in the warm-up); sizes that fit pass the check."""
+    from eagle3_jax import cli
+
+    assert cli.main(["serve", "--max-batch", "1000000", "--port", "0", "--compile-cache", "off"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "--max-batch 1000000" in err and "--max-len" in err and "GiB" in err, err
+    target, drafter, _ = builtin.load()
+    check_cache_fits(target, drafter, 8, 512)
+    with pytest.raises(ValueError, match="--max-batch 2 x --max-len 64"):
+        check_cache_fits(target, drafter, 2, 64, memory=1 << 20)
+    check_cache_fits(target, drafter, 2, 64, memory=1 << 30)
+
+
+def test_the_built_in_pair_loads_without_torch():
+    """The server's start loads the built-in pair and its tokenizer without importing torch
+    (seconds of every start; the library never needs it): in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from eagle3_jax import builtin; import eagle3_jax.serve.server; "
+            "t, d, tok = builtin.load(); assert tok.encode('Hello'), 'no tokens'; "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False", "the start imported torch"

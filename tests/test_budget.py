@@ -11,7 +11,7 @@ import eagle3_jax
 from eagle3_jax import budget, builtin
 from eagle3_jax.decode import encode_chat
 from eagle3_jax.tree import TreeConfig
-from helpers import FIXTURES, oracle_drafter
+from helpers import FIXTURES, chi2_pvalue, oracle_drafter
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,6 @@ def test_budget_cut_mid_round_with_a_long_end_sequence():
 def test_sampling_distribution_with_a_budget():
     """Sampled, with B = 1 and a forced end: the tokens after the forced sequence are
     distributed as the target's own (χ², as for generate without a budget)."""
-    from test_generate import _chi2_pvalue
-
     target, prompt, _, open_id, close_id, _ = _tiny_case()
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     kw = dict(max_new_tokens=6, temperature=0.8, think_token_ids=(open_id, close_id), thinking_budget=1,
@@ -136,7 +134,7 @@ def test_sampling_distribution_with_a_budget():
         xb = np.array([t[pos] if len(t) > pos else -1 for t in b])
         bins = np.unique(np.concatenate([xa, xb]), return_counts=True)
         top = bins[0][np.argsort(-bins[1])[:12]]
-        assert _chi2_pvalue(xa, xb, top) > 1e-3, pos
+        assert chi2_pvalue(xa, xb, top) > 1e-3, pos
     for t in spec.tokens:  # a content token, then the forced end — unless the model closed by itself
         assert t[1:3] == [9, close_id] or close_id in t[:2]
 

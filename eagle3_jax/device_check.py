@@ -1,8 +1,11 @@
 """The checks a lent accelerator should run, in two device calls (a Hopper GPU: the Mosaic GPU kernel).
 
-    pallas_kernels/device_check.sh OUT_DIR kernels bench llama8b    # one call (~6 minutes on an H200)
-    pallas_kernels/device_check.sh OUT_DIR builtin step             # a second call (~4 minutes)
-    python -m eagle3_jax.pallas_kernels.device_check PART --out OUT_DIR [--smoke]
+    scripts/device_check.sh OUT_DIR kernels bench llama8b    # one call (~6 minutes on an H200)
+    scripts/device_check.sh OUT_DIR builtin step             # a second call (~4 minutes)
+    python -m eagle3_jax.device_check PART --out OUT_DIR [--smoke]
+
+A tool (it runs the built-in pair, ``bench`` and ``cost``), so it sits in the tools layer,
+above the kernels it checks.
 
 Parts, each writing ``OUT_DIR/PART.json`` (what ran, what broke, the figures):
 
@@ -37,16 +40,25 @@ import time
 import traceback
 from pathlib import Path
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+import eagle3_jax
+from eagle3_jax import Drafter, DrafterConfig, RopeConfig, Target, TargetConfig, TreeConfig, builtin, cost
+from eagle3_jax.bench import run_bench
+from eagle3_jax.decode import compile_generate, encode_chat, forced_call
+from eagle3_jax.pallas_kernels import bench as kernel_bench
+from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
+from eagle3_jax.pallas_kernels.tree_attention import tree_attention_ref
+from eagle3_jax.tree import parse_tree
 
 PARTS = ("kernels", "bench", "builtin", "step", "llama8b")
 
 
 def _env() -> dict:
-    import flax
-
     dev = jax.devices()[0]
     return {"jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
             "device": dev.device_kind, "compute_capability": str(getattr(dev, "compute_capability", "")),
@@ -87,9 +99,6 @@ def _err(got, want) -> tuple[float, float]:
 
 
 def part_kernels(smoke: bool) -> dict:
-    from eagle3_jax.pallas_kernels import tree_attention_mgpu as mgpu
-    from eagle3_jax.pallas_kernels.tree_attention import tree_attention_ref
-
     interpret = smoke
     grid = [(1, 1, 64, 1, "chain"), (3, 4, 128, 7, "random"), (1, 8, 64, 60, "full"), (3, 1, 128, 60, "random"),
             (3, 8, 128, 7, "chain"), (1, 4, 64, 60, "chain"), (3, 4, 64, 1, "full"), (3, 8, 128, 60, "random")]
@@ -142,20 +151,12 @@ def part_kernels(smoke: bool) -> dict:
 
 
 def part_bench(smoke: bool) -> dict:
-    from eagle3_jax.pallas_kernels import bench
-
     if smoke:
-        return bench.run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret="gpu", reps=1)
-    return bench.run([1024, 8192, 32768], [16, 64], [1, 32], reps=10)
+        return kernel_bench.run([256], [16], [1], heads=8, kv_heads=2, head_dim=64, interpret="gpu", reps=1)
+    return kernel_bench.run([1024, 8192, 32768], [16, 64], [1, 32], reps=10)
 
 
 def part_builtin(smoke: bool) -> dict:
-    import eagle3_jax
-    from eagle3_jax import builtin
-    from eagle3_jax.bench import run_bench
-    from eagle3_jax.tree import parse_tree
-    from eagle3_jax.decode import encode_chat
-
     dtype = "bfloat16"
     impls = ["xla", "pallas_interpret_gpu"] if smoke else ["xla", "pallas"]
     n, max_new = (2, 8) if smoke else (8, 256)
@@ -185,8 +186,6 @@ def part_builtin(smoke: bool) -> dict:
 
 
 def part_step(smoke: bool) -> dict:
-    from eagle3_jax import builtin, cost
-
     shapes = [(1, 256), (1, 16384), (32, 256)] if not smoke else [(1, 64), (2, 64)]
     out = {}
     for dtype in (["float32"] if smoke else ["float32", "bfloat16"]):
@@ -198,10 +197,6 @@ def part_step(smoke: bool) -> dict:
 
 
 def _llama8b(smoke: bool):
-    from flax import nnx
-
-    from eagle3_jax import DrafterConfig, Drafter, RopeConfig, Target, TargetConfig
-
     if smoke:
         dims = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
                     head_dim=16)
@@ -224,9 +219,6 @@ def _llama8b(smoke: bool):
 
 
 def part_llama8b(smoke: bool) -> dict:
-    from eagle3_jax import TreeConfig
-    from eagle3_jax.decode import compile_generate, forced_call
-
     tree = TreeConfig(16, 4, 4) if smoke else TreeConfig(60, 7, 10)
     contexts = [40] if smoke else [1024, 8192]
     impls = ["xla"] if smoke else ["xla", "pallas"]

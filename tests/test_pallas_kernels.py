@@ -1,8 +1,8 @@
-"""Pallas tree attention (TPU and GPU kernels in their CPU interpreters) against the jnp
-reference twin, inside the decode loop too; both kernels are also lowered for real chips
-(TPU v5e, Hopper sm_90a) without one, and where libtpu is installed the TPU kernel is
-compiled through Mosaic for a v5e topology, alone and as the dispatcher picks it inside a
-model compiled for the TPU."""
+"""The Pallas kernels (``eagle3_jax.pallas_kernels``): tree attention (TPU and GPU kernels in
+their CPU interpreters) against the jnp reference twin, inside the decode loop too; both
+kernels are also lowered for real chips (TPU v5e, Hopper sm_90a) without one, and where
+libtpu is installed the TPU kernel is compiled through Mosaic for a v5e topology, alone and
+as the dispatcher picks it inside a model compiled for the TPU."""
 
 import functools
 import importlib.util
@@ -226,7 +226,6 @@ def test_model_compiled_for_a_tpu_runs_the_mosaic_kernel():
     device (run here, the same step runs the reference: the dispatcher test above)."""
     from flax import nnx
     from eagle3_jax.config import TargetConfig, read_config_json
-    from eagle3_jax.models import target as target_module
 
     sweep = _sweep()
     mesh = jax.sharding.Mesh([sweep.tpu_device("v5e:2x2")], ("chip",))
@@ -239,7 +238,11 @@ def test_model_compiled_for_a_tpu_runs_the_mosaic_kernel():
     tokens, depth, tree_mask = jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.int32), jnp.ones((B, N, N), bool)
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                         (state, cache, tokens, depth, tree_mask))
-    assert "tpu_custom_call" in target_module._tree_jit.lower(graph, *args).compile().as_text()
+
+    def tree_step(state, cache, tokens, depth, tree_mask):  # ``Target.tree_forward``'s program
+        return nnx.merge(graph, state)(tokens, cache.lengths[:, None] + depth, cache=cache, region_mask_BxTxR=tree_mask)
+
+    assert "tpu_custom_call" in jax.jit(tree_step, donate_argnums=1).lower(*args).compile().as_text()
 
 
 def test_generate_with_pallas_is_token_identical():
@@ -306,11 +309,11 @@ def test_a_kernel_read_cache_has_whole_blocks():
 
 
 def test_device_check_script_runs(tmp_path):
-    """pallas_kernels/device_check.py, shrunk to the CPU (--smoke): the parts that matter most
+    """eagle3_jax/device_check.py, shrunk to the CPU (--smoke): the parts that matter most
     on a GPU run end to end here, so that the one-call device script cannot rot."""
     import json
 
-    from eagle3_jax.pallas_kernels import device_check
+    from eagle3_jax import device_check
 
     for part in ("kernels", "bench", "llama8b"):
         assert device_check.main([part, "--out", str(tmp_path), "--smoke"]) == 0
