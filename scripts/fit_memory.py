@@ -9,7 +9,7 @@ positions, four TTT steps).
 CPU (``jax[tpu]``'s libtpu; no TPU needed); XLA:CPU schedules the rematerialised steps'
 recomputation early, so ``fit.remat`` saves nothing there, while the TPU compiler's
 schedule keeps it.  ``--reference`` also measures the plain step the tests compare against
-(``tests/test_fit_step.py``: the code before the memory work, the whole float32 logits).
+(``plain_fit_step_fn`` of ``tests/helpers.py``: the code before the memory work, the whole float32 logits).
 
     python scripts/fit_memory.py [--target-config CONFIG_JSON] [--draft-vocab 256] [--batch 16]
         [--seq-len 96] [--ttt-length 4] [--dtype float32] [--compute-dtype float32]
@@ -71,9 +71,9 @@ def measure(models, *, batch: int, seq_len: int, ttt_length: int, compute_dtype:
     opt = optimizer(cfg)
     if reference:
         sys.path.insert(0, str(ROOT / "tests"))
-        from test_fit_step import _plain_step_fn
+        from helpers import plain_fit_step_fn
 
-        step = _plain_step_fn(tgraph, dgraph, cfg, opt)
+        step = plain_fit_step_fn(tgraph, dgraph, cfg, opt)
     else:
         step = fit_step_fn(tgraph, dgraph, cfg, opt)
     place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)  # noqa: E731

@@ -393,3 +393,83 @@ def golden_drafters(target=None) -> dict:
 
     target = eagle3_jax.load_target(FIXTURES / "target_tiny") if target is None else target
     return {name: eagle3_jax.load_drafter(FIXTURES / name, target=target) for name in ("drafter_tiny", "drafter_tiny_trained")}
+
+
+def random_records(n: int = 24, T: int = 20, seed: int = 0) -> dict:
+    """``n`` training records of ``T`` random token ids (of the golden target's 1024) with a
+    random loss mask (about 90% of positions on)."""
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, 1024, (n, T)).astype(np.int32), "loss_mask": rng.random((n, T)) < 0.9}
+
+
+def row_records(rows, seq_len: int = 6) -> dict:
+    """Records whose row ``i`` is token ``rows[i]`` repeated ``seq_len`` times (even tokens
+    masked in), each of length ``seq_len``: which rows a shard holds reads off ``input_ids[:, 0]``."""
+    ids = np.asarray(rows, np.int32)[:, None] + np.zeros((1, seq_len), np.int32)
+    return {"input_ids": ids, "loss_mask": ids % 2 == 0, "lengths": np.full(len(rows), seq_len, np.int32)}
+
+
+def plain_ttt_loss(drafter, features_BxTx3H, input_ids_BxT, target_logits_BxTxV, loss_mask_BxT, *, length,
+                   step_weight):
+    """The TTT loss before the fit step's memory work: the draft-vocabulary label logits
+    gathered from the whole float32 target logits, each step's logits made for the whole sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle3_jax import layers
+    from eagle3_jax.train.ttt import shift_left, ttt_attention
+
+    cfg = drafter.config
+    B, T = input_ids_BxT.shape
+    draft_ids = drafter.to_target_ids(jnp.arange(cfg.draft_vocab_size))
+    target_logits = jax.lax.stop_gradient(target_logits_BxTxV.astype(jnp.float32))
+    label_logits, in_vocab = target_logits[..., draft_ids], drafter.t2d[jnp.argmax(target_logits, -1)]
+    loss_mask = loss_mask_BxT.astype(jnp.float32)
+    h = drafter.fuse(features_BxTx3H)
+    p = drafter.attn_params()
+    keys, values, losses, accs = [], [], [], []
+    for s in range(length):
+        label = shift_left(label_logits, 1 + s)
+        predicted_mask = shift_left(loss_mask, 2 + s)
+        mask = predicted_mask * shift_left(in_vocab.astype(jnp.float32), 1 + s)
+        cos, sin = drafter.rope(jnp.broadcast_to(jnp.arange(T) + s, (B, T)))
+        q, k, v = layers.qkv(p, drafter.layer_input(h, shift_left(input_ids_BxT, 1 + s)), cos, sin,
+                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                             eps=cfg.rms_norm_eps)
+        keys.append(k)
+        values.append(v)
+        h = drafter.layer_output(h, ttt_attention(q, keys, values, cfg.head_dim ** -0.5).reshape(B, T, -1) @ p["wo"])
+        logits = drafter.logits(h)
+        soft_ce = -(jax.nn.softmax(label, -1) * jax.nn.log_softmax(logits, -1)).sum(-1)
+        losses.append((soft_ce * mask).sum() / jnp.maximum(mask.sum(), 1.0))
+        hit = (jnp.argmax(logits, -1) == jnp.argmax(label, -1)).astype(jnp.float32)
+        accs.append((hit * mask).sum() / jnp.maximum(predicted_mask.sum(), 1.0))
+    losses, accs = jnp.stack(losses), jnp.stack(accs)
+    return (step_weight ** jnp.arange(length) * losses).sum(), {"loss_s": losses, "acc_s": accs}
+
+
+def plain_fit_step_fn(tgraph, dgraph, cfg, opt):
+    """The fit step before its memory work (online; ``cfg`` a ``FitConfig``): the target's
+    whole logits, one batch, :func:`plain_ttt_loss` (the reference of
+    ``tests/test_train_trainer.py`` and ``scripts/fit_memory.py``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    def step(params, opt_state, frozen, tstate, input_ids, loss_mask):
+        target = nnx.merge(tgraph, tstate)
+        hidden, feats, _ = target.trunk(input_ids, jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape))
+        logits = jax.lax.stop_gradient(target.head(hidden))
+
+        def loss_fn(p):
+            if cfg.compute_dtype != "float32":
+                p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+            return plain_ttt_loss(nnx.merge(dgraph, p, frozen), feats, input_ids, logits, loss_mask,
+                                  length=cfg.ttt_length, step_weight=cfg.step_weight)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+
+    return step

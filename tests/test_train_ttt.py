@@ -1,4 +1,5 @@
-"""Training-time test: attention mask and loss against a brute-force loop reference."""
+"""``eagle3_jax.train.ttt``, the training-time test: attention mask and loss against a
+brute-force loop reference, and its steps against the inference chain."""
 
 import jax
 import jax.numpy as jnp
