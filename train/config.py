@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import ClassVar
 
 from eagle3_jax import configfile, limits
+from eagle3_jax.config import DrafterConfig
 from eagle3_jax.train.trainer import FitConfig
 
 
@@ -29,27 +31,34 @@ class RegenerateConfig:
                               "batch_size": limits.POSITIVE, "tensor": limits.POSITIVE}
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterSection:
-    """A fresh drafter's shape (ignored with ``init``): decoder layers, their family (llama, or
-    qwen3 with q/k norms) and speculators' switches; anything but the official one-layer Llama
-    drafter is exported in the speculators layout."""
+# a fresh drafter's shape options: DrafterConfig's own fields, with its types and defaults
+# (declared once, there)
+DRAFTER_SHAPE = ("num_layers", "layer_family", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
-    init: str | None = configfile.path()  # a saved drafter to start from
-    seed: int = 0
-    num_layers: int = 1
-    layer_family: str = "llama"
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_output: bool = False
 
-    LIMITS: ClassVar[dict] = {"seed": limits.NON_NEGATIVE, "num_layers": limits.POSITIVE,
-                              "layer_family": limits.DRAFTER_FAMILY}
+def _drafter_section() -> type:
+    """The ``drafter`` section's dataclass: ``init`` and ``seed``, then :data:`DRAFTER_SHAPE`
+    as :class:`eagle3_jax.config.DrafterConfig` declares them."""
+    hints = typing.get_type_hints(DrafterConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
 
     def options(self) -> dict:
         """The shape options as :meth:`eagle3_jax.config.DrafterConfig.for_target` keywords."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("init", "seed")}
+        return {name: getattr(self, name) for name in DRAFTER_SHAPE}
+
+    fields = [("init", str | None, configfile.path()),  # a saved drafter to start from
+              ("seed", int, dataclasses.field(default=0)),
+              *[(name, hints[name], dataclasses.field(default=defaults[name])) for name in DRAFTER_SHAPE]]
+    doc = """A fresh drafter's shape (ignored with ``init``): decoder layers, their family (llama, or
+    qwen3 with q/k norms) and speculators' switches; anything but the official one-layer Llama
+    drafter is exported in the speculators layout."""
+    limits_ = {"seed": limits.NON_NEGATIVE, "num_layers": limits.POSITIVE, "layer_family": limits.DRAFTER_FAMILY}
+    return dataclasses.make_dataclass("DrafterSection", fields, frozen=True, namespace={
+        "__doc__": doc, "__module__": __name__, "__qualname__": "DrafterSection", "options": options,
+        "LIMITS": limits_})
+
+
+DrafterSection = _drafter_section()
 
 
 @dataclasses.dataclass(frozen=True)
