@@ -1,26 +1,32 @@
 """Decoding (``eagle3_jax.decode``): ``generate`` against the official EAGLE-3 (golden greedy
 outputs and acceptance), lossless (greedy token identity with vanilla decoding, the sampled
-distribution by χ²), phases and early stops, on a simulated mesh, and through the CLI.  The
-loop's compiled HLO: test_decode_loop.py; request validation: test_decode_request.py; the
-cache of compiled programs: test_decode_programs.py."""
+distribution by χ²), its loop (phases, early stops, the compiled loop's HLO: no cache copies,
+the prefill's last logits only), its request validation (malformed arguments refused before
+anything compiles, naming the argument; the accepted prompt containers and scalars mean the
+same), its cache of compiled programs (bounded, and letting go of their kernels' memory maps),
+on a simulated mesh, and through the CLI."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import eagle3_jax
-from eagle3_jax import decode, verify as verify_mod
+from eagle3_jax import cost, decode, layers, verify as verify_mod
+from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
 from helpers import FIXTURES, chi2_pvalue, golden_drafters, oracle_drafter
 
 ROOT = Path(__file__).parent.parent
+MAPS = Path("/proc/self/maps")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,6 @@ def drafters(target):
 def pair(target, drafters):
     """The tiny target and its trained drafter."""
     return target, drafters["drafter_tiny_trained"]
-
 
 
 @pytest.mark.parametrize("fname,dname", [("eagenerate_greedy.npz", "drafter_tiny"),
@@ -162,7 +167,296 @@ def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkey
     assert min(pvals) < 1e-3
 
 
+# ------------------------------------------------------------------ the compiled loop
+@pytest.mark.parametrize("tree,dtype,batch,max_new", [
+    (None, None, 1, 40), (TreeConfig.chain(3), None, 1, 40), (TreeConfig(8, 2, 2), None, 1, 40),
+    (Speculation((None, TreeConfig.chain(3), TreeConfig(8, 2, 2))), None, 1, 40), (TreeConfig.chain(3), "bfloat16", 1, 40),
+    (TreeConfig.chain(3), None, 8, 64)],
+    ids=["vanilla", "chain3", "tree", "adaptive", "chain3-bfloat16", "chain3-phases"])
+def test_decode_loop_copies_no_cache(tree, dtype, batch, max_new, monkeypatch):
+    """In the optimized HLO of the whole decode loop, no cache-sized buffer is copied or
+    converted inside the loop (KV writes, commit and the drafter's catch-up update the caches
+    in place), also when an adaptive policy switches between tiers and bursts of plain steps,
+    with bfloat16 weights (which XLA:CPU would update by converting the whole cache), and in
+    each phase of a batch decoded in phases (whose rows are gathered between the loops); and
+    the empty caches are not copied into the loop either."""
+    monkeypatch.setattr(layers, "PREFIX_BLOCK", 16)  # blocks smaller than the tiny cache
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny", dtype=dtype)
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target) if tree else None
+    spec = tree if isinstance(tree, Speculation) else Speculation.fixed(tree or TreeConfig())
+    assert len(decode.phase_rows(batch, max_new)) == (3 if batch == 8 else 1)
+    compiled, args = decode.compile_generate(target, drafter, [[1, 2, 3, 4, 5]] * batch, max_new_tokens=max_new,
+                                             speculation=spec, round_ms=[1.0] * len(spec.tiers),
+                                             programs=decode.ProgramCache())
+    assert int(compiled(*args)["n_out"][0]) > 0
+    cfg = target.config
+    max_len = 32 + max_new + (spec.scratch if tree else 1)
+    # one row's float32 layer (what a bfloat16 one converts to): the smallest phase's cache is larger
+    layer_bytes = max_len * cfg.num_kv_heads * cfg.head_dim * 4
+    ops = cost.cache_ops(compiled.as_text(), layer_bytes, slots=max_len)
+    assert [op for op in ops["copy"] if op[3] != "ENTRY"] == []
+    assert ops["in_place"], "the cache updates should appear as in-place dynamic-update-slice/scatter"
+    # nor before it: the empty caches' keys and values are filled in place (kv_cache.init_cache);
+    # the copies left are a smaller phase's rows, gathered between the loops
+    assert [op for op in ops["copy"] if op[3] == "ENTRY" and op[4][1] == batch] == []
 
+
+def test_prefill_computes_the_last_tokens_logits_only():
+    """The decode loop's prefill runs the target's head on each prompt's last token only: no
+    ``[B, T, V]`` logits in the program (for a real vocabulary, the prefill's largest buffer:
+    32 prompts of 2k tokens over 128k ids would be 34 GB)."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    B, V = 2, target.config.vocab_size
+    compiled, args = decode.compile_generate(target, None, [[1, 2, 3, 4, 5]] * B, max_new_tokens=8)
+    T = args[-1].prompt_BxT.shape[1]  # the prompt's bucket
+    assert T > 1
+    text = compiled.as_text()
+    assert f"f32[{B},{T},{V}]" not in text
+    assert f"f32[{B},{V}]" in text
+
+
+# ------------------------------------------------------------------ request validation
+OK = [[1, 2, 3]]
+
+
+BAD = [
+    # (id, kwargs, exception, words the message must contain)
+    ("prompt-floats", dict(prompts=[[1.0, 2.0]]), TypeError, "prompts[0]"),
+    ("prompt-float-array", dict(prompts=np.array([[1.5, 2.0]])), TypeError, "prompts[0]"),
+    ("prompt-bools", dict(prompts=[[True, False]]), TypeError, "prompts[0]"),
+    ("prompt-bool-array", dict(prompts=[np.array([True, False])]), TypeError, "prompts[0]"),
+    ("prompt-string-no-tokenizer", dict(prompts=["hello"]), ValueError, "tokenizer"),
+    ("prompt-empty-list", dict(prompts=[]), ValueError, "prompts"),
+    ("prompt-empty-row", dict(prompts=[[1, 2], []]), ValueError, "prompts[1]"),
+    ("prompt-3d-array", dict(prompts=np.zeros((1, 2, 3), np.int32)), ValueError, "prompts"),
+    ("prompt-nested-row", dict(prompts=[[[1, 2]]]), TypeError, "prompts[0]"),
+    ("prompt-none", dict(prompts=None), TypeError, "prompts"),
+    ("prompt-int", dict(prompts=5), TypeError, "prompts"),
+    ("prompt-dict", dict(prompts={"a": 1}), TypeError, "prompts"),
+    ("prompt-id-negative", dict(prompts=[[1, -1]]), ValueError, "prompts[0]"),
+    ("prompt-id-too-large", dict(prompts=[[1, 10 ** 6]]), ValueError, "prompts[0]"),
+    ("prompt-row-of-strings", dict(prompts=[["a", "b"]]), TypeError, "prompts[0]"),
+    ("max-new-zero", dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    ("max-new-float", dict(max_new_tokens=8.0), TypeError, "max_new_tokens"),
+    ("max-new-bool", dict(max_new_tokens=True), TypeError, "max_new_tokens"),
+    ("max-new-string", dict(max_new_tokens="8"), TypeError, "max_new_tokens"),
+    ("too-long", dict(max_new_tokens=10 ** 6), ValueError, "max_position_embeddings"),
+    ("temperature-nan", dict(temperature=float("nan")), ValueError, "temperature"),
+    ("temperature-inf", dict(temperature=float("inf")), ValueError, "temperature"),
+    ("temperature-negative", dict(temperature=-0.5), ValueError, "temperature"),
+    ("temperature-tiny", dict(temperature=1e-12), ValueError, "temperature"),
+    ("temperature-string", dict(temperature="0.7"), TypeError, "temperature"),
+    ("top-p-zero", dict(top_p=0.0), ValueError, "top_p"),
+    ("top-p-above-one", dict(top_p=1.5), ValueError, "top_p"),
+    ("top-p-nan", dict(top_p=float("nan")), ValueError, "top_p"),
+    ("top-k-negative", dict(top_k=-1), ValueError, "top_k"),
+    ("top-k-float", dict(top_k=2.5), TypeError, "top_k"),
+    ("top-k-above-vocab", dict(top_k=10 ** 6), ValueError, "top_k"),
+    ("seed-negative", dict(seed=-1), ValueError, "seed"),
+    ("seed-float", dict(seed=1.5), TypeError, "seed"),
+    ("seed-huge", dict(seed=2 ** 40), ValueError, "seed"),
+    ("tree-tuple", dict(tree=(60, 7, 10)), TypeError, "tree"),
+    ("tree-top-k-over-draft-vocab", dict(tree=TreeConfig(4, 1, 10 ** 4 // 2)), ValueError, "top_k"),
+    ("stop-int", dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+    ("stop-string", dict(stop_token_ids="5"), TypeError, "stop_token_ids"),
+    ("stop-float", dict(stop_token_ids=[1.5]), TypeError, "stop_token_ids[0]"),
+    ("stop-out-of-vocab", dict(stop_token_ids=[10 ** 6]), ValueError, "stop_token_ids[0]"),
+    ("stop-0d-array", dict(stop_token_ids=np.array(5)), TypeError, "stop_token_ids"),
+    # a dict's or a set's order is not the prompts' (a dict was read as its keys: budgets 0, 1, ...)
+    ("thinking-budget-dict", dict(think_token_ids=(3, 4), thinking_budget={0: 8}), TypeError, "thinking_budget"),
+    ("thinking-budget-set", dict(think_token_ids=(3, 4), thinking_budget={8}), TypeError, "thinking_budget"),
+    ("end-thinking-0d-array", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids=np.array(4)), TypeError,
+     "end_thinking_ids"),
+    ("thinking-budget-0d-float-array", dict(think_token_ids=(3, 4), thinking_budget=np.array(2.0)), TypeError,
+     "thinking_budget"),
+    # a dict was read as its keys ({3: 4, 1: 2}: open 3, close 1), a set in its own order
+    ("think-ids-dict", dict(think_token_ids={3: 4, 1: 2}, thinking_budget=2), TypeError, "think_token_ids"),
+    ("think-ids-set", dict(think_token_ids={3, 4}, thinking_budget=2), TypeError, "think_token_ids"),
+    ("end-thinking-set", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids={5, 4}), TypeError,
+     "end_thinking_ids"),
+    ("end-thinking-dict", dict(think_token_ids=(3, 4), thinking_budget=2, end_thinking_ids={4: 5}), TypeError,
+     "end_thinking_ids"),
+    ("thinking-grace-negative", dict(think_token_ids=(3, 4), thinking_mode="soft", thinking_grace=-1), ValueError,
+     "thinking_grace"),
+    ("thinking-grace-without-thinking", dict(thinking_grace=1.5), TypeError, "thinking_grace"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_generate_argument_is_named(pair, kwargs, exc, words):
+    target, drafter = pair
+    compiled = []
+
+    class Recording(decode.ProgramCache):
+        def get(self, key, build):
+            compiled.append(key)
+            return super().get(key, build)
+
+    args = dict(prompts=OK, max_new_tokens=8, programs=Recording())  # nothing may compile
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with pytest.raises(exc) as info:
+        eagle3_jax.generate(target, drafter, prompts, **args)
+    assert words in str(info.value)
+    assert not compiled
+
+
+def test_prompt_containers_mean_the_same_prompts(pair):
+    """Lists, tuples, numpy int64 scalars, 1-D numpy/jax arrays and a 2-D array (one row per
+    prompt) all give the same padded batch; a flat list of ids is one prompt."""
+    target, _ = pair
+    want = decode.prepare(target, None, [[5, 6, 7], [8, 9, 10]], max_new_tokens=4, temperature=0.0, top_p=1.0,
+                           top_k=0, tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+    forms = [
+        ((5, 6, 7), (8, 9, 10)),
+        [np.array([5, 6, 7]), jnp.array([8, 9, 10])],
+        np.array([[5, 6, 7], [8, 9, 10]]),
+        jnp.array([[5, 6, 7], [8, 9, 10]], jnp.int32),
+        [[np.int64(5), np.int64(6), np.int64(7)], [np.int32(8), 9, 10]],
+        [[jnp.int32(5), 6, 7], [np.array(8), 9, 10]],
+    ]
+    for form in forms:
+        got = decode.prepare(target, None, form, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+                             tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+        np.testing.assert_array_equal(got.prompt_BxT, want.prompt_BxT)
+        np.testing.assert_array_equal(got.lengths_B, want.lengths_B)
+    one = decode.prepare(target, None, [np.int64(5), 6, 7], max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0,
+                          tree=TreeConfig(), seed=0, stop_token_ids=None, tokenizer=None)
+    assert one.prompt_BxT.shape[0] == 1 and one.lengths_B.tolist() == [3]
+
+
+def test_scalar_arguments_read_alike_as_python_numpy_or_jax_scalars(pair):
+    """0-d numpy and JAX arrays and numpy scalars are the numbers they hold, for every scalar
+    argument (a thinking budget too); a TreeConfig of numpy integers is the same tree."""
+    target, drafter = pair
+    think = dict(think_token_ids=(3, 4), end_thinking_ids=(4,))
+
+    def request(conv):
+        return decode.prepare(target, drafter, [[5, 6, 7], [8, 9]], max_new_tokens=conv(4), temperature=conv(0.5),
+                               top_p=conv(0.75), top_k=conv(5), tree=TreeConfig(conv(4), conv(1), conv(3)),
+                               seed=conv(3), stop_token_ids=[conv(7)], tokenizer=None, thinking_budget=conv(2), **think)
+
+    want = request(lambda x: x)
+    for conv in (np.asarray, lambda x: np.array(x)[()], jnp.asarray):
+        got = request(conv)
+        assert got.statics == want.statics and got.seed == want.seed
+        np.testing.assert_array_equal(got.budget_B, want.budget_B)
+    assert hash(TreeConfig(np.int64(4), 1, 3)) == hash(TreeConfig(4, 1, 3))
+    assert isinstance(TreeConfig(np.int64(4), 1, 3).total_tokens, int)
+
+
+# ------------------------------------------------------------------ compiled programs
+# Compiled loops are kept for reuse, and can be let go: XLA:CPU maps pages for every kernel
+# and unmaps them only with their executable, so a long-lived process (a notebook, this suite's
+# workers) that never lets go reaches the kernel's limit on memory maps and crashes inside a
+# compilation.
+def test_compile_cache_is_bounded(pair):
+    """Each new max_new_tokens compiles a program; only the most recently used are kept."""
+    target, _ = pair
+    programs = decode.ProgramCache(2)
+    for n in (3, 4, 5, 4):
+        eagle3_jax.generate(target, None, OK, max_new_tokens=n, programs=programs)
+    assert len(programs) == 2
+    assert [key[3].max_new for key in programs.keys()] == [5, 4]  # 3 evicted, 4 most recent
+
+
+def test_keep_compiled_holds_more_loops_while_inside(pair):
+    """``keep_compiled(n)`` keeps n loops while inside (a benchmark cycling through them
+    compiles each once), then trims to the cache's size, the most recently used kept (on the
+    default cache, ``decode.keep_compiled``)."""
+    target, _ = pair
+    programs = decode.ProgramCache(2)
+    with programs.keep(3):
+        for n in (3, 4, 5, 3):
+            eagle3_jax.generate(target, None, OK, max_new_tokens=n, programs=programs)
+        assert [key[3].max_new for key in programs.keys()] == [4, 5, 3]  # none evicted, none compiled again
+    assert programs.size == 2
+    assert [key[3].max_new for key in programs.keys()] == [5, 3]
+    before = decode.PROGRAMS.size
+    with decode.keep_compiled(before + 3):
+        assert decode.PROGRAMS.size == before + 3
+    assert decode.PROGRAMS.size == before == decode.COMPILE_CACHE_SIZE
+
+
+def test_first_token_is_timed_on_the_call_s_own_program(pair):
+    """``time_first_token`` times the same compiled program stopped after the prefill: no
+    second program, the same tokens."""
+    target, drafter = pair
+    programs = decode.ProgramCache()
+    plain = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, programs=programs)
+    timed = eagle3_jax.generate(target, drafter, OK, max_new_tokens=6, time_first_token=True, programs=programs)
+    assert timed.tokens == plain.tokens and len(programs) == 1
+    assert 0 < timed.stats["first_token_seconds"] and "first_token_seconds" not in plain.stats
+
+
+def test_warm_up_runs_a_program_once_before_its_first_timed_call(pair):
+    """``warm_up`` runs the call's own program untimed only if it has not run in this process
+    (by an earlier warm-up or any ``generate``); the tokens are the same either way, and a
+    program dropped from the cache of compiled loops is warmed again."""
+    target, drafter = pair
+    programs = decode.ProgramCache()
+    kw = dict(max_new_tokens=6, programs=programs)
+    first = eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw)
+    again = eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw)
+    plain = eagle3_jax.generate(target, None, OK, **kw)  # vanilla's program: run, not warmed
+    after = eagle3_jax.generate(target, None, OK, warm_up=True, **kw)
+    assert first.stats["warm_up_seconds"] > 0 and again.stats["warm_up_seconds"] is None
+    assert after.stats["warm_up_seconds"] is None and "warm_up_seconds" not in plain.stats
+    assert first.tokens == again.tokens and plain.tokens == after.tokens and len(programs) == 2
+    programs.clear()
+    assert eagle3_jax.generate(target, drafter, OK, warm_up=True, **kw).stats["warm_up_seconds"] > 0
+
+
+def _maps() -> int:
+    return len(MAPS.read_text().splitlines())
+
+
+@pytest.mark.skipif(not MAPS.exists(), reason="counts the memory maps of /proc/self/maps (Linux)")
+def test_clear_compiled_unmaps_the_loops_kernels():
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+    decode.clear_compiled()
+    jax.clear_caches()
+    gc.collect()
+    before = _maps()
+    first = eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=eagle3_jax.TreeConfig(8, 3, 3))
+    grown = _maps() - before
+    assert grown > 100  # the loop's kernels
+    jax.clear_caches()
+    gc.collect()
+    assert _maps() - before > grown // 2  # the kept loop still holds them
+    decode.clear_compiled()
+    gc.collect()
+    assert _maps() - before < grown // 4
+    again = eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=eagle3_jax.TreeConfig(8, 3, 3))
+    assert again.tokens == first.tokens
+
+
+@pytest.mark.skipif(not MAPS.exists(), reason="counts the memory maps of /proc/self/maps (Linux)")
+def test_a_dropped_loop_unmaps_its_kernels_without_clearing_jax():
+    """The cache of compiled loops bounds their memory by itself: a loop it evicts, or that
+    ``clear_compiled`` drops, is unmapped without ``jax.clear_caches`` (JAX's own caches do
+    not keep it), so that a process compiling many loops stays within the limit on maps."""
+    target = eagle3_jax.load_target(FIXTURES / "target_tiny")
+    drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
+    programs = decode.ProgramCache(1)
+    jax.clear_caches()
+    gc.collect()
+    before = _maps()
+    tree = eagle3_jax.TreeConfig(8, 3, 3)
+    eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, tree=tree, programs=programs)
+    one = _maps() - before
+    assert one > 100  # the loop's kernels
+    for n in (9, 10, 11):  # each a loop of its own, evicting the one before
+        eagle3_jax.generate(target, drafter, [[1, 2, 3]], max_new_tokens=n, tree=tree, programs=programs)
+    gc.collect()
+    assert len(programs) == 1 and _maps() - before < 2 * one  # one loop's maps, not four
+    programs.clear()
+    gc.collect()
+    assert _maps() - before < one // 4
+
+
+# ------------------------------------------------------------------ on a mesh, through the CLI
 def test_generate_on_meshes_equals_one_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
