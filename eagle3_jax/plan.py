@@ -492,6 +492,9 @@ def format_topology_report(r: dict) -> str:
             lines.append(f"  {p['program']:<28}{p['compile_s']:>8.1f}s{p['flops'] / 1e9:>11.1f}"
                          f"{p['bytes_accessed'] / 1e9:>9.2f}{p['roofline_ms']:>10.2f}ms  {p['bound']}")
         lines += [f"  note, {p['program']}: {p['note']}" for p in r["costs"] if p.get("note")]
+        if sh["attention_impl"] == "pallas":
+            lines.append("  steps and rounds read each layer's whole cache (the kernel's cost estimate: an upper "
+                         "bound; it skips the blocks past a prefix)")
     pr = r["predicted"]
     if pr:
         lines += ["", f"predicted at tau = {r['tau']:.2f} ({r['tau_source']}): vanilla {pr['vanilla_step_ms']:.2f} ms/step"]

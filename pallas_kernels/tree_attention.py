@@ -163,10 +163,26 @@ def tree_attention(q_BxTxNxD, k_cache, v_cache, prefix_len_B, k_new_BxTxKxD, v_n
         out_shape=jax.ShapeDtypeStruct((B, K, G * T, D), q_BxTxNxD.dtype),
         grid_spec=grid_spec,
         interpret=interpret,
+        cost_estimate=cost_estimate(q, kc, kn, mask),
         compiler_params=None if interpret else pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
     )(prefix, layer, q, kc, vc, kn, vn, mask)
     return rows_to_tokens(out, T)
+
+
+def cost_estimate(q_BxKxRxD, k_cache_LxBxSxKxD, k_new_BxKxTxD, mask_BxRxT) -> pl.CostEstimate:
+    """What one call costs at most, for XLA's cost analysis (which counts a Mosaic call as
+    nothing without it): its small operands and output, one layer's keys and values read
+    whole, and the score and value matmuls and exponentials over every cache slot and new
+    key.  A call whose prefix is shorter reads and computes less (blocks past the prefix
+    are skipped), so this is the cost at a full cache."""
+    B, K, R, D = q_BxKxRxD.shape  # R = G·T query rows a KV head
+    S, T = k_cache_LxBxSxKxD.shape[2], k_new_BxKxTxD.shape[2]
+    keys = S + T
+    small = 2 * q_BxKxRxD.nbytes + 2 * k_new_BxKxTxD.nbytes + mask_BxRxT.nbytes + 4 * B
+    layer = 2 * B * S * K * D * k_cache_LxBxSxKxD.dtype.itemsize
+    return pl.CostEstimate(flops=4 * B * K * R * keys * D, transcendentals=B * K * R * keys,
+                           bytes_accessed=small + layer)
 
 
 # The most new tokens per sequence the TPU kernel takes: its query rows (G·T of a KV head) and

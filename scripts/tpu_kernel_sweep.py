@@ -16,9 +16,10 @@ shapes per chip, a few minutes on two cores (``--quick``: three, half a minute).
 stacked cache has the model's layers, or as many as fit 8 GiB (a one-chip compile refuses
 arguments past its HBM; v5e has 16 GiB).
 
-Each compiled program must hold the Mosaic kernel (a ``tpu_custom_call``) and, per its
-``memory_analysis``, temporaries smaller than one layer of the cache: the cache is read in
-place, never copied.  One line per shape, a line per chip, and a closing summary; the exit
+Each compiled program must hold the Mosaic kernel (a ``tpu_custom_call``), per its
+``memory_analysis`` temporaries smaller than one layer of the cache (the cache is read in
+place, never copied), and per its ``cost_analysis`` the bytes of one layer's keys and values
+(the kernel's ``pl.CostEstimate``; without one XLA counts a Mosaic call as nothing).  One line per shape, a line per chip, and a closing summary; the exit
 status is nonzero if any shape fails.
 """
 
@@ -114,6 +115,12 @@ def check(compiled: jax.stages.Compiled, shape: Shape) -> tuple[str | None, int 
         return "no Mosaic kernel (tpu_custom_call) in the compiled program", temporaries
     if temporaries is not None and temporaries >= shape.layer_bytes:
         return f"temporaries of {temporaries} bytes: a copy of the cache", temporaries
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    read = cost.get("bytes accessed", 0)
+    if not 2 * shape.layer_bytes <= read < 4 * shape.layer_bytes:  # the kernel's pl.CostEstimate: one layer
+        return (f"cost analysis counts {read:.0f} bytes, not one layer's keys and values "
+                f"({2 * shape.layer_bytes})"), temporaries
     return None, temporaries
 
 
