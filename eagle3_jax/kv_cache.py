@@ -31,6 +31,9 @@ class KVCache:
     # the keys' and values' layout on a mesh (set by ``constrain``; static): writes and moves
     # then run on each device's own rows
     sharding: jax.sharding.NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # the layout of the hidden states of a forward over this cache (``sharding.hidden_sharding``;
+    # static), which the drafter keeps its activations in
+    hidden: jax.sharding.NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def max_len(self) -> int:
@@ -85,13 +88,22 @@ def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, hea
     return KVCache(jnp.full(shape, -0.0, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
-def constrain(cache: KVCache, sharding) -> KVCache:
+def constrain(cache: KVCache, sharding, hidden=None) -> KVCache:
     """``cache`` with its keys and values laid out by ``sharding`` (``None``: as they are),
-    which it keeps (see :func:`write`)."""
+    which it keeps (see :func:`write`), and ``hidden``, the layout of the hidden states of a
+    forward over it (see :func:`constrain_hidden`)."""
     if sharding is None:
         return cache
     return KVCache(jax.lax.with_sharding_constraint(cache.k, sharding),
-                   jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths, sharding)
+                   jax.lax.with_sharding_constraint(cache.v, sharding), cache.lengths, sharding, hidden)
+
+
+def constrain_hidden(x_BxTxX, cache: KVCache | None):
+    """Hidden states ``[B, T, X]`` of a forward over ``cache`` in the layout it names
+    (``KVCache.hidden``), or as they are where it names none."""
+    if cache is None or cache.hidden is None:
+        return x_BxTxX
+    return jax.lax.with_sharding_constraint(x_BxTxX, cache.hidden)
 
 
 def layout(shape, mesh, rules=None, *, name: str = "KV cache") -> jax.sharding.NamedSharding:

@@ -90,6 +90,23 @@ def batch_shards(mesh, rules: Mapping | None = None) -> int:
     return math.prod(mesh.shape[a] for a in resolve_rules(rules)["batch"].mesh_axes if a in mesh.shape)
 
 
+def hidden_sharding(mesh, batch: int, width: int, rules: Mapping | None = None, *,
+                    name: str = "hidden states") -> NamedSharding | None:
+    """The layout of a decode forward's hidden states ``[B, T, X]`` (``X`` a multiple of
+    ``width``) on ``mesh``: the hidden dimension split as the weights split theirs (the
+    ``embed`` rule: over fsdp), the rows over the batch's other mesh axes (data).  Each device
+    then multiplies its own slice of every weight and only a few rows of activations move.
+    With the rows split over fsdp as well (the caches' layout), XLA's partitioner gathers a
+    drafter's whole weights on every device at every draft step instead: on a v6e:2x4
+    (data=2 x fsdp=4) a chain-4 round of Llama-3.1-8B with 3 layers read 11.5 GB a device,
+    4.5 GB so constrained.  ``None`` where the weights' hidden dimension is not split (no
+    fsdp): nothing to keep local."""
+    s = spec((width, 1, batch), ("embed", "seq", "batch"), mesh, rules, name=name)  # the hidden dimension first
+    if s[0] is None:
+        return None
+    return NamedSharding(mesh, P(s[2], None, s[0]))
+
+
 def spec(shape, axes, mesh, rules: Mapping | None = None, *, units: Mapping[str, int] | None = None,
          name: str = "array") -> P:
     """The ``PartitionSpec`` of array ``name`` of ``shape`` with logical ``axes`` on ``mesh``

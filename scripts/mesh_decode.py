@@ -4,17 +4,19 @@ really sharded.
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/mesh_decode.py [--quick]
 
 For the golden tiny pair and the built-in pair, vanilla and speculative, on meshes
-(data=2, tensor=4), (tensor=8) and (data=8): the tokens equal one device's, every weight's
+(data=2, tensor=4), (tensor=8), (data=8) and (data=2, fsdp=4): the tokens equal one device's, every weight's
 per-device shard shape is checked against its declared sharding, and the optimized program
 holds the target's KV cache at its per-device shape (batch over data, KV heads over tensor;
 replicated, explicitly, when there are fewer KV heads than tensor devices) and never at its
 whole shape; where the batch is split, no collective carries every row's keys or values (each
 device writes, commits and reads its own rows), and on (data=8) the decode loop runs no
-collective but all-reduces of scalars (no row's data moves between devices).  Then a batch of 8 whose rows end at
+collective but all-reduces of scalars (no row's data moves between devices); on (fsdp=4) no
+draft step gathers a drafter weight whole (``weight_gathers``).  Then a batch of 8 whose rows end at
 different times, on (data=2, tensor=4), so that it decodes in phases (each device's rows
 gathered into fewer on that device): the tokens and round records of one device, vanilla
 greedy and speculative sampled.  A random two-layer Qwen3 drafter of the speculators layout
-(``fc_norm``, ``norm_output``) with the tiny target, speculative, on (data=2, tensor=4).
+(``fc_norm``, ``norm_output``) with the tiny target, speculative, on (data=2, tensor=4) and
+(data=2, fsdp=4).
 ``--quick`` (the test suite's) runs the tiny pairs, speculative only, and the phases.
 """
 
@@ -39,7 +41,7 @@ from eagle3_jax.models.target import declare
 from eagle3_jax.tree import TreeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-MESHES = ({"data": 2, "tensor": 4}, {"tensor": 8}, {"data": 8})
+MESHES = ({"data": 2, "tensor": 4}, {"tensor": 8}, {"data": 8}, {"data": 2, "fsdp": 4})
 
 
 def _pairs(quick: bool):
@@ -55,7 +57,7 @@ def _pairs(quick: bool):
     cfg = DrafterConfig.for_target(target.config, target.config.vocab_size, num_layers=2, layer_family="qwen3",
                                    fc_norm=True, norm_output=True)
     two = Drafter(cfg, target.embed[...], rngs=nnx.Rngs(1))
-    yield "tiny-2l", target, two, prompts, TreeConfig(8, 2, 3), None, MESHES[:1]
+    yield "tiny-2l", target, two, prompts, TreeConfig(8, 2, 3), None, (MESHES[0], MESHES[3])
     if not quick:
         target, drafter, tok = builtin.load()
         prompts = [encode_chat(tok, [{"role": "user", "content": t["prompt"]}]) for t in builtin.eval_tasks()[:3]]
@@ -117,6 +119,25 @@ def loop_collectives(compiled_text: str) -> list[tuple[str, str]]:
             seen.add(c)
             todo.extend(calls.get(c, ()))
     return [op for c in sorted(seen) for op in comps.get(c, ())]
+
+
+def weight_gathers(compiled_text: str, drafter) -> list[str]:
+    """The collectives of the drafter's steps (the loop's ``draft`` and ``catch_up`` scopes)
+    whose result is one of the drafter's weights whole (its declared shape): with fsdp, the
+    draft steps must multiply each device's own slice.  (The target's layers are left to XLA,
+    which at these tiny sizes gathers some of their weights: cheaper than moving activations.)"""
+    from eagle3_jax.models.drafter import param_shapes
+
+    whole = {tuple(s) for s in param_shapes(drafter.config).values() if s is not None and len(s) >= 2}
+    found = []
+    for line in compiled_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(", line)
+        scope = re.search(r'op_name="([^"]*)"', line)
+        if not (m and scope and re.search(r"/(draft|catch_up)/", scope.group(1))):
+            continue
+        if any(tuple(map(int, d.split(","))) in whole for d in re.findall(r"\w+\[([\d,]+)\]", m.group(1))):
+            found.append(f"{m.group(2)} {m.group(1)[:80]}")
+    return found
 
 
 def scalar_all_reduce(op: str, result: str) -> bool:
@@ -195,6 +216,9 @@ def main(argv=None):
                     L = target.config.num_layers
                     every_row = cache_collectives(compiled.as_text(), lambda dims: dims[:2] == (L, batch))
                     assert not every_row, f"{axes}: a collective carries every row's keys or values: {every_row}"
+                if axes.get("fsdp", 1) > 1 and d is not None:  # the drafter's weights stay split
+                    gathered = weight_gathers(compiled.as_text(), d)
+                    assert not gathered, f"{axes}: a draft step gathers the drafter's weights whole: {gathered}"
                 if set(axes) == {"data"}:  # rows only: a round moves no row's data between devices
                     moving = [f"{op} {result[:80]}" for op, result in loop_collectives(compiled.as_text())
                               if not scalar_all_reduce(op, result)]

@@ -464,8 +464,11 @@ def test_generate_on_meshes_equals_one_device():
                          text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if "tokens identical" in line and not line.startswith("phases")]
-    assert len(lines) == 4, res.stdout
-    assert lines[3].startswith("tiny-2l  tree8,2,3 {'data': 2, 'tensor': 4}"), res.stdout  # a two-layer drafter
+    assert len(lines) == 6, res.stdout
+    assert lines[4].startswith("tiny-2l  tree8,2,3 {'data': 2, 'tensor': 4}"), res.stdout  # a two-layer drafter
+    # fsdp: the weights split over their hidden dimension, no draft step gathering a drafter weight whole
+    assert lines[3].startswith("tiny     chain3   {'data': 2, 'fsdp': 4}") and "(8, 32, 128) per device" in lines[3]
+    assert lines[5].startswith("tiny-2l  tree8,2,3 {'data': 2, 'fsdp': 4}"), res.stdout
     assert "-> (8, 2, 60, 1, 16) per device" in lines[0]  # data=2, tensor=4: batch and KV heads split
     assert "-> (8, 1, 60, 4, 16) per device" in lines[2]  # data=8: one row per device
     assert any(line.startswith("phases (8, 4, 2)") and "tokens identical" in line for line in res.stdout.splitlines()), \

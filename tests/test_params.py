@@ -119,6 +119,18 @@ def test_rules_override_the_table():
         decl.shardings(mesh(tensor=2), {"mlp": 3})
 
 
+def test_hidden_states_split_as_the_weights_hidden_dimension():
+    """A decode forward's hidden states [B, T, X]: the hidden dimension where the weights' embed
+    rule puts it, the rows over the batch's other axes; nothing to constrain without it split."""
+    assert sharding.hidden_sharding(mesh(data=2, fsdp=4), 8, 128).spec == P("data", None, "fsdp")
+    assert sharding.hidden_sharding(mesh(fsdp=8), 8, 128).spec == P(None, None, "fsdp")
+    assert sharding.hidden_sharding(mesh(data=2, tensor=4), 8, 128) is None
+    by_tensor = sharding.hidden_sharding(mesh(data=2, tensor=4), 8, 128, {"embed": "tensor"})
+    assert by_tensor.spec == P(("data", "fsdp"), None, "tensor")
+    with pytest.raises(ValueError, match=r"^drafter hidden states: .*'embed'.*fsdp=16"):
+        sharding.hidden_sharding(mesh(fsdp=16), 8, 120, name="drafter hidden states")
+
+
 def test_parse_mesh():
     assert sharding.parse_mesh("data=2,tensor=4") == {"data": 2, "fsdp": 1, "tensor": 4}
     assert sharding.parse_mesh(" data=-1 , fsdp=8 ") == {"data": -1, "fsdp": 8, "tensor": 1}

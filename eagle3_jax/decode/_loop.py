@@ -99,7 +99,7 @@ def prefill_state(target, drafter, prompt_BxT, lengths_B, key_B, budget_B, phase
     if drafter is not None:
         # drafter position j pairs the feature at j with token j+1 (the first token is the root)
         ids = jnp.where(jnp.arange(T)[None] == lengths_B[:, None] - 1, first[:, None], jnp.roll(prompt_BxT, -1, 1))
-        dcache = kv_cache.constrain(drafter.init_cache(B, cache_len), loop.cache_shardings[1])
+        dcache = kv_cache.constrain(drafter.init_cache(B, cache_len), loop.cache_shardings[1], loop.hidden_sharding)
         dout, dcache = drafter(feats, ids, pos, cache=dcache)
         dcache = kv_cache.advance(dcache, lengths_B)
         last_hidden = layers.row_get(dout, lengths_B - 1)

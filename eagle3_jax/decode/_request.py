@@ -238,7 +238,9 @@ def prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_p, top
                           spec=speculation if drafter is not None else None, thinking=thinking,
                           cache_shardings=cache_shardings,
                           phases=phase_rows(len(seqs), max_new_tokens, kv_cache.row_shards(cache_shardings[0]))
-                          if phases else (len(seqs),))
+                          if phases else (len(seqs),),
+                          hidden_sharding=None if mesh is None or drafter is None else sharding.hidden_sharding(
+                              mesh, len(seqs), drafter.config.hidden_size, rules, name="drafter hidden states"))
     return Request(prompt, lengths, statics, seed, budgets, phase, round_ms, rows, mesh,
                    None if rules is None else tuple(rules.items()))
 

@@ -45,7 +45,8 @@ def _slots_empty(tgraph, tstate, dgraph, dstate, round_ms_T, learned, *, slots: 
     st = dataclasses.replace(st, tcache=target.init_cache(slots, max_len), done=jnp.ones((slots,), bool),
                              n_out=0 * ones, out=0 * st.out)
     if drafter is not None:
-        st = dataclasses.replace(st, dcache=drafter.init_cache(slots, max_len), ctl=policy.init(loop.spec, round_ms_T, learned))
+        dcache = dataclasses.replace(drafter.init_cache(slots, max_len), hidden=loop.hidden_sharding)
+        st = dataclasses.replace(st, dcache=dcache, ctl=policy.init(loop.spec, round_ms_T, learned))
     return st
 
 
@@ -132,8 +133,10 @@ def lower_slots(target, drafter, *, num_slots: int, max_len: int, mesh, speculat
     spec = spec if drafter is not None else None
     mesh = sharding.auto_mesh(mesh)
     num_slots = limits.check("num_slots", num_slots, limits.POSITIVE)
+    hidden = None if drafter is None else sharding.hidden_sharding(mesh, num_slots, drafter.config.hidden_size, rules,
+                                                                     name="drafter hidden states")
     loop = Loop(limits.check("max_len", max_len, limits.MAX_LEN), None, spec, None,
-                cache_layouts(target, drafter, num_slots, max_len, mesh, rules))
+                cache_layouts(target, drafter, num_slots, max_len, mesh, rules), hidden)
     (tgraph, tstate), (dgraph, dstate) = placed(target, drafter, mesh, rules)
     n_tiers = 1 if spec is None else len(spec.tiers)
     learned = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy.fresh(spec or NO_SPEC))

@@ -66,6 +66,7 @@ class Loop:
     spec: Speculation | None
     thinking: budget.ThinkingConfig | None
     cache_shardings: tuple = (None, None)  # the target's and the drafter's cache layout on a mesh
+    hidden_sharding: jax.sharding.NamedSharding | None = None  # the drafter's activations' (sharding.hidden_sharding)
 
     @property
     def row_shards(self) -> int:
@@ -110,10 +111,11 @@ class LoopStatics:
     thinking: budget.ThinkingConfig | None
     cache_shardings: tuple = (None, None)
     phases: tuple[int, ...] = ()
+    hidden_sharding: jax.sharding.NamedSharding | None = None
 
     def loop(self, spec: Speculation | None) -> Loop:
         """The rounds' ``Loop`` (``spec``: ``None`` for vanilla decoding)."""
-        return Loop(self.max_new, self.sampling, spec, self.thinking, self.cache_shardings)
+        return Loop(self.max_new, self.sampling, spec, self.thinking, self.cache_shardings, self.hidden_sharding)
 
 
 NO_SPEC = Speculation((None,), policy="fixed")

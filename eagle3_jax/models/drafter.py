@@ -26,7 +26,7 @@ from flax import nnx
 
 from eagle3_jax import layers
 from eagle3_jax.config import DrafterConfig, RopeConfig
-from eagle3_jax.kv_cache import KVCache, by_rows, init_cache, storage_dtype, write
+from eagle3_jax.kv_cache import KVCache, by_rows, constrain_hidden, init_cache, storage_dtype, write
 from eagle3_jax.params import Declaration, ParamInfo, fan_in_normal, ones
 
 
@@ -177,7 +177,9 @@ class Drafter(nnx.Module):
         cfg = self.config
         L = cfg.num_layers
         B, T = tokens_BxT.shape
-        h = self.fuse(hidden_BxTxF)
+        # on a mesh, the activations keep the hidden dimension split as the weights do (the cache
+        # says how): else each device's rows would gather every weight whole
+        h = constrain_hidden(self.fuse(constrain_hidden(hidden_BxTxF, cache)), cache)
         if region_mask_BxTxR is None:
             region_mask_BxTxR = layers.causal_mask(B, T)
         prefix = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
@@ -186,8 +188,9 @@ class Drafter(nnx.Module):
         new = []
         for i in range(L):
             reg = None if region_kv is None else region_kv if L == 1 else (region_kv[0][i], region_kv[1][i])
+            x = constrain_hidden(self.attn_input(i, h, tokens_BxT), cache)
             a, new_kv = layers.self_attention(
-                self.attn_params(i), self.attn_input(i, h, tokens_BxT), cos, sin, kv, i, prefix, region_mask_BxTxR,
+                self.attn_params(i), x, cos, sin, kv, i, prefix, region_mask_BxTxR,
                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
                 region_kv=reg, write=_write if L == 1 else None)
             h = self.attn_output(i, h, a)
