@@ -28,7 +28,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parent.parent

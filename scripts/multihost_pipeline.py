@@ -60,8 +60,9 @@ def launch(work: Path, run: str, step: str, processes: int, steps: int, mesh: st
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}"}
+    # the caller's XLA flags kept, the device count added
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={4 // processes}".strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--process", str(i), "--processes", str(processes),
                                "--port", str(port), "--work-dir", str(work), "--run", run, "--step", step,
                                "--steps", str(steps), "--mesh", mesh, *extra],

@@ -23,14 +23,26 @@ if _OWN_CACHE:
     # same worker compiles again
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds:
-# LLVM's cheap pipeline (no floating-point reassociation either way, so the same numbers)
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# LLVM's cheap pipeline (backend optimization level 0, no expensive passes; no floating-point
+# reassociation either way, so the same numbers), for this process and the subprocesses tests
+# start.  The few tests that run their programs far longer than they compile them (thousands
+# of sampled rows, a hundred training steps) ask for full optimization (``optimized``).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True)
 
+
+
+@pytest.fixture
+def optimized():
+    """Compiles the test's programs with XLA's full optimization (see above)."""
+    from helpers import full_optimization
+
+    with full_optimization():
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+
+
+def cpu_devices_env(n: int) -> dict:
+    """The environment of a subprocess that sees ``n`` CPU devices: this one's (the suite's cheap
+    compile settings, see conftest), with the device count added to its ``XLA_FLAGS`` and the
+    project on ``PYTHONPATH``."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+@contextlib.contextmanager
+def full_optimization():
+    """XLA's full optimization for the programs compiled inside (the suite compiles with the cheap
+    pipeline, ``jax_disable_most_optimizations``, see conftest): for a test, or a module fixture,
+    whose programs run far longer than they take to compile."""
+    import jax
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -118,7 +118,7 @@ def test_budget_cut_mid_round_with_a_long_end_sequence():
     assert got.stats["forced_rounds"] == 2  # 7 forced tokens: E[0] replaces a drafted one, 6 in two chain rounds
 
 
-def test_sampling_distribution_with_a_budget():
+def test_sampling_distribution_with_a_budget(optimized):
     """Sampled, with B = 1 and a forced end: the tokens after the forced sequence are
     distributed as the target's own (χ², as for generate without a budget)."""
     target, prompt, _, open_id, close_id, _ = _tiny_case()

@@ -5,7 +5,6 @@ shard has the shape its declared logical axes give and the values of the unshard
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax import builtin
 from eagle3_jax.sharding import make_mesh
-from helpers import FIXTURES
+from helpers import FIXTURES, cpu_devices_env
 
 ROOT = Path(__file__).parent.parent
 
@@ -91,8 +90,7 @@ def test_sharded_load_on_eight_devices():
                          "--rules", "vocab=none", "--max-new-tokens", "2", "--no-compare"]) == 0
         print("ok")
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = cpu_devices_env(8)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")

@@ -9,7 +9,6 @@ on a simulated mesh, and through the CLI."""
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import eagle3_jax
 from eagle3_jax import cost, decode, layers, verify as verify_mod
 from eagle3_jax.speculation import Speculation
 from eagle3_jax.tree import TreeConfig
-from helpers import FIXTURES, chi2_pvalue, golden_drafters, oracle_drafter
+from helpers import FIXTURES, chi2_pvalue, cpu_devices_env, full_optimization, golden_drafters, oracle_drafter
 
 ROOT = Path(__file__).parent.parent
 MAPS = Path("/proc/self/maps")
@@ -137,10 +136,11 @@ def _sampling_run(target, drafter, prompt, n, seed):
 def vanilla_samples(target):
     """2000 vanilla samples of the golden prompt: the target's own distribution."""
     prompt = np.load(FIXTURES / "eagenerate_greedy_trained.npz")["p0_prompt"].tolist()
-    return prompt, _sampling_run(target, None, prompt, 2000, seed=2)[0]
+    with full_optimization():
+        return prompt, _sampling_run(target, None, prompt, 2000, seed=2)[0]
 
 
-def test_sampling_matches_target_distribution(target, drafters, vanilla_samples):
+def test_sampling_matches_target_distribution(target, drafters, vanilla_samples, optimized):
     prompt, base = vanilla_samples
     spec, res = _sampling_run(target, drafters["drafter_tiny_trained"], prompt, 2000, seed=1)
     assert res.stats["accepted"] > 400  # the drafter's proposals are actually being accepted
@@ -150,7 +150,7 @@ def test_sampling_matches_target_distribution(target, drafters, vanilla_samples)
         assert chi2_pvalue(spec[:, pos], base[:, pos], top) > 1e-3
 
 
-def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkeypatch):
+def test_biased_acceptance_is_detected(target, drafters, vanilla_samples, monkeypatch, optimized):
     """The same test fails when acceptance is deliberately biased (accept with 3·p)."""
     prompt, base = vanilla_samples
     monkeypatch.setattr(verify_mod, "_accepts", lambda u, remaining, p: u * remaining < 3 * p)
@@ -458,17 +458,16 @@ def test_a_dropped_loop_unmaps_its_kernels_without_clearing_jax():
 
 # ------------------------------------------------------------------ on a mesh, through the CLI
 def test_generate_on_meshes_equals_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = cpu_devices_env(8)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "mesh_decode.py"), "--quick"], capture_output=True,
                          text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if "tokens identical" in line and not line.startswith("phases")]
-    assert len(lines) == 6, res.stdout
-    assert lines[4].startswith("tiny-2l  tree8,2,3 {'data': 2, 'tensor': 4}"), res.stdout  # a two-layer drafter
+    assert len(lines) == 5, res.stdout
+    assert lines[3].startswith("tiny-2l  tree8,2,3 {'data': 2, 'tensor': 4}"), res.stdout  # a two-layer drafter
     # fsdp: the weights split over their hidden dimension, no draft step gathering a drafter weight whole
-    assert lines[3].startswith("tiny     chain3   {'data': 2, 'fsdp': 4}") and "(8, 32, 128) per device" in lines[3]
-    assert lines[5].startswith("tiny-2l  tree8,2,3 {'data': 2, 'fsdp': 4}"), res.stdout
+    assert lines[4].startswith("tiny-2l  tree8,2,3 {'data': 2, 'fsdp': 4}") and "(8, 32, 128) per device" in lines[4], \
+        res.stdout
     assert "-> (8, 2, 60, 1, 16) per device" in lines[0]  # data=2, tensor=4: batch and KV heads split
     assert "-> (8, 1, 60, 4, 16) per device" in lines[2]  # data=8: one row per device
     assert any(line.startswith("phases (8, 4, 2)") and "tokens identical" in line for line in res.stdout.splitlines()), \

@@ -287,7 +287,7 @@ def test_poor_drafter_falls_back_to_no_drafting():
     assert rest.count("none") >= 0.6 * len(rest), rest
 
 
-def test_adaptive_sampling_matches_the_target_distribution():
+def test_adaptive_sampling_matches_the_target_distribution(optimized):
     target = eagle3_jax.load_target(FIXTURES / "target_tiny")
     drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny_trained", target=target)
     prompt = np.load(FIXTURES / "eagenerate_greedy_trained.npz")["p0_prompt"].tolist()

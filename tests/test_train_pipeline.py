@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
-def test_end_to_end_pipeline(tmp_path):
+def test_end_to_end_pipeline(tmp_path, optimized):
     """prepare → regenerate → vocab → fit → export on the golden target with a BPE tokenizer
     built here; the exported drafter is official-format and beats an untrained one."""
     tok = build_tokenizer(tmp_path / "tok", arithmetic_corpus(), vocab_size=1024)
@@ -34,7 +34,7 @@ def test_end_to_end_pipeline(tmp_path):
             f.write(json.dumps(c) + "\n")
     overrides = [f"tokenizer={tmp_path / 'tok'}", f"data={tmp_path / 'conv.jsonl'}", f"work_dir={tmp_path / 'run'}",
                  f"target={FIXTURES / 'target_tiny'}", "seq_len=64", "regenerate.max_new_tokens=32",
-                 "fit.steps=200", "fit.ttt_length=3", "fit.save_every=50", "fit.lr=0.003"]
+                 "fit.steps=100", "fit.ttt_length=3", "fit.save_every=50", "fit.lr=0.003"]
     assert main(["train", "all", "--config", str(ROOT / "configs" / "tiny.yaml"), *overrides]) == 0
 
     export = tmp_path / "run" / "export"

@@ -9,7 +9,6 @@ step's activations kept, one batch), which itself gives the losses the trainer g
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ from flax import nnx
 import eagle3_jax
 from eagle3_jax.train import pipeline
 from eagle3_jax.train.trainer import FitConfig, Trainer, fit_step_fn
-from helpers import FIXTURES, plain_fit_step_fn, random_records
+from helpers import FIXTURES, cpu_devices_env, plain_fit_step_fn, random_records
 
 ROOT = Path(__file__).parent.parent
 
@@ -199,8 +198,7 @@ def test_mesh_step_equals_single_device(tmp_path):
             assert "fit.micro_batches=4" in str(e), e
         print("ok", out["mesh"][0])
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = cpu_devices_env(8)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ok" in res.stdout
