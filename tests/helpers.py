@@ -34,6 +34,7 @@ def full_optimization():
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
 
+
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-5, tie_word_embeddings=False)
