@@ -14,6 +14,7 @@ import pytest
 
 from eagle3_jax import host, sharding
 from eagle3_jax.cli import common
+from helpers import cpu_devices_env
 
 
 def _args(**kw):
@@ -86,8 +87,7 @@ def test_the_program_splits_a_batch_over_the_cores(tmp_path):
 
 def test_the_program_keeps_a_device_count_the_environment_names(tmp_path):
     n = host.cores() + 1  # more devices than cores: only the environment's count gives them
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-    doc, _ = _bench(tmp_path, "--batch-size", str(n), "--num-prompts", str(n), env={"XLA_FLAGS": flags})
+    doc, _ = _bench(tmp_path, "--batch-size", str(n), "--num-prompts", str(n), env=cpu_devices_env(n))
     assert doc["mesh"] == {"data": n, "fsdp": 1, "tensor": 1}
 
 
