@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax import decode, kv_cache, sharding, topology
 from eagle3_jax.config import DrafterConfig, TargetConfig, read_config_json
@@ -414,21 +413,16 @@ def lower_fit_step(target, drafter, fit_cfg, mesh, *, rows: int, seq_len: int) -
     declaration, the drafter's params, frozen arrays and AdamW moments by the drafter's,
     ``rows x seq_len`` token ids and loss mask split by rows.  ``target`` / ``drafter``:
     abstract modules (``nnx.eval_shape``)."""
-    from eagle3_jax.train.trainer import fit_step_fn, optimizer
+    from eagle3_jax.train.trainer import fit_step_fn, opt_state_shardings, optimizer
 
     tgraph, tstate = nnx.split(target)
     tstate = sharding.place(tstate, target.declaration(), mesh)
     dgraph, params, frozen = nnx.split(drafter, nnx.Param, ...)
     params = sharding.place(params, drafter.declaration(), mesh)
     frozen = sharding.place(frozen, drafter.declaration(), mesh)
-    replicated = NamedSharding(mesh, P())
     opt = optimizer(fit_cfg)
-    by_shape = {}
-    for p in jax.tree.leaves(params):
-        by_shape.setdefault((p.shape, p.dtype), p.sharding)
-    opt_state = jax.tree.map(  # moments follow their params; counts replicated
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get((x.shape, x.dtype), replicated)
-                                       if x.ndim else replicated), jax.eval_shape(opt.init, params))
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(opt.init, params), opt_state_shardings(opt, params, mesh))
     batch_sh = sharding.batch_sharding(mesh, 2)
     ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=batch_sh)
     mask = jax.ShapeDtypeStruct((rows, seq_len), jnp.bool_, sharding=batch_sh)

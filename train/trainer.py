@@ -81,6 +81,15 @@ def optimizer(cfg: FitConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
 
 
+def opt_state_shardings(opt: optax.GradientTransformation, params, mesh: Mesh):
+    """The shardings of ``opt.init(params)``: each moment on its parameter's sharding,
+    everything else (step counts) replicated over ``mesh``.  ``params``: arrays or
+    ``jax.ShapeDtypeStruct`` s with shardings."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(opt, lambda _, p: p.sharding, jax.eval_shape(opt.init, params), params,
+                                 transform_non_params=lambda _: replicated)
+
+
 def target_head(target):
     """The target's output projection ``[H, V]`` as :meth:`Target.head` applies it (the
     embedding transposed when tied)."""
@@ -281,16 +290,16 @@ class Trainer:
         self.frozen = self._place(frozen, dsh)
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         replicated = NamedSharding(self.mesh, P())
-        self.opt_state = jax.tree.map(  # moments follow their params; scalars (counts) live on the whole mesh
-            lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
-            jax.jit(self.opt.init)(self.params))
+        opt_shardings = opt_state_shardings(self.opt, self.params, self.mesh)
+        # placed (committed) from the start: the step's outputs are, and a step whose inputs
+        # differ in placement from its last call's compiles again
+        self.opt_state = jax.jit(self.opt.init, out_shardings=opt_shardings)(self.params)
         self.step = 0
         self.cached = cache_target_outputs(target, records, self.work_dir / "offline") if cfg.offline else {}
         self.data_iter = data.dataset(records, batch_size=cfg.batch_size, seed=cfg.seed, buckets=tuple(cfg.buckets))
         self.ckpt = ocp.CheckpointManager(
             (self.work_dir / "ckpt").absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True))
-        opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
         step = fit_step_fn(self.tgraph, self.dgraph, cfg, self.opt, self.param_shardings)
         self._train_step = jax.jit(step, donate_argnums=(0, 1),  # the metrics: whole on every process
                                    out_shardings=(self.param_shardings, opt_shardings, replicated))
