@@ -211,7 +211,10 @@ def test_offline_cache_trains_like_online(tmp_path):
         cfg = FitConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, ttt_length=2, offline=offline)
         drafter = eagle3_jax.load_drafter(FIXTURES / "drafter_tiny", target=target)
         tr = Trainer(target, drafter, random_records(), cfg, work_dir=tmp_path / str(offline))
+        placed = jax.tree.map(lambda x: x.sharding, tr.opt_state)
         losses[offline] = [float(tr.train_step(next(tr.data_iter))["loss"]) for _ in range(3)]
+        # the AdamW state starts where the step leaves it (else the second step compiles again)
+        assert jax.tree.map(lambda x: x.sharding, tr.opt_state) == placed
     assert (tmp_path / "True" / "offline" / "features.npy").exists()
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
     # and what offline steps train on is the cache: zeroed, the same first step gives another loss
