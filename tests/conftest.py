@@ -28,6 +28,12 @@ if _OWN_CACHE:
 # start.  The few tests that run their programs far longer than they compile them (thousands
 # of sampled rows, a hundred training steps) ask for full optimization (``optimized``).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# XLA:CPU's MLIR fusion emitters build an MLIR context and pipeline per fused kernel: on the
+# decode loops (hundreds of small fusions) they were half of each compile.  The older LLVM IR
+# emitters compile the same loops in half the CPU time (docs/measurements.md, "The suite's
+# time").  Read once per process, as XLA_FLAGS are, by this one's backend and the subprocesses'.
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 
 
 def pytest_unconfigure(config):
