@@ -28,10 +28,11 @@ if _OWN_CACHE:
 # start.  The few tests that run their programs far longer than they compile them (thousands
 # of sampled rows, a hundred training steps) ask for full optimization (``optimized``).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# XLA:CPU's MLIR fusion emitters build an MLIR context and pipeline per fused kernel: on the
-# decode loops (hundreds of small fusions) they were half of each compile.  The older LLVM IR
-# emitters compile the same loops in half the CPU time (docs/measurements.md, "The suite's
-# time").  Read once per process, as XLA_FLAGS are, by this one's backend and the subprocesses'.
+# XLA:CPU's MLIR fusion emitters build an MLIR context and pass pipeline per fused kernel, and
+# the decode loops hold hundreds of small fusions: its older LLVM IR emitters compile them in
+# about half the CPU time (``scripts/compile_bench.py``; docs/measurements.md, "The suite's
+# time").  XLA reads its flags once per process: this one's and the subprocesses' (which
+# inherit them).  An XLA_FLAGS that names the setting is left as it is.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 
